@@ -1,0 +1,18 @@
+"""pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
+
+from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack, set_engine
+from pareprop.models import create_model, is_model, list_models, model_spec, register_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENGINES",
+    "ReversibleBlock",
+    "ReversibleStack",
+    "set_engine",
+    "create_model",
+    "is_model",
+    "list_models",
+    "model_spec",
+    "register_model",
+]

@@ -1,0 +1,1 @@
+"""Placeholder: this model family is being written."""
