@@ -1,0 +1,25 @@
+"""Reusable layers. They know nothing about the backward engines."""
+
+from pareprop.layers.attention import Attention
+from pareprop.layers.patch_embed import PatchEmbed, check_image, to_2tuple_int
+from pareprop.layers.pooling_attention import (
+    PoolingAttention,
+    add_decomposed_rel_pos,
+    pooled_size,
+    rel_pos_table,
+    window_partition,
+    window_unpartition,
+)
+
+__all__ = [
+    "Attention",
+    "PatchEmbed",
+    "PoolingAttention",
+    "add_decomposed_rel_pos",
+    "check_image",
+    "pooled_size",
+    "rel_pos_table",
+    "to_2tuple_int",
+    "window_partition",
+    "window_unpartition",
+]

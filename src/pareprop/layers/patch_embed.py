@@ -1,0 +1,105 @@
+"""Patch embedding by a strided convolution, and the image-input checks shared by models."""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = ["PatchEmbed", "check_image", "to_2tuple_int"]
+
+
+def to_2tuple_int(value: Union[int, Sequence[int]], name: str = "value") -> Tuple[int, int]:
+    """``7 -> (7, 7)``; ``[7, 5] -> (7, 5)`` (lists come back from JSON configs)."""
+    if isinstance(value, int):
+        return (value, value)
+    value = tuple(value)
+    if len(value) != 2 or not all(isinstance(v, int) for v in value):
+        raise ValueError(f"expected {name} as an int or a pair of ints, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_image(
+    x: torch.Tensor,
+    in_chans: int,
+    img_size: Tuple[int, int] | None = None,
+    min_size: Tuple[int, int] | None = None,
+) -> None:
+    """Raise ``ValueError`` unless ``x`` is a float ``(B, in_chans, H, W)`` batch that fits.
+
+    Args:
+        x: the batch.
+        in_chans: channels the model was built for.
+        img_size: the only spatial size accepted (models with absolute position embeddings).
+        min_size: the smallest spatial size accepted (hierarchical models).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected an image tensor, got {type(x).__name__}")
+    want = f"{img_size[0]}x{img_size[1]} " if img_size is not None else ""
+    if not torch.is_floating_point(x):
+        raise ValueError(
+            f"expected a floating-point image tensor, got dtype {x.dtype} with shape "
+            f"{tuple(x.shape)}; convert it first, e.g. x.float() / 255"
+        )
+    if x.ndim != 4 or x.shape[1] != in_chans:
+        raise ValueError(
+            f"expected input (B, {in_chans}, H, W), a {want}image with {in_chans} channels, "
+            f"got {tuple(x.shape)}"
+        )
+    hw = tuple(x.shape[-2:])
+    if img_size is not None and hw != tuple(img_size):
+        raise ValueError(
+            f"expected input {img_size[0]}x{img_size[1]} with {in_chans} channels, got "
+            f"{tuple(x.shape)}; resize the images or create the model with img_size={hw}"
+        )
+    if min_size is not None and (hw[0] < min_size[0] or hw[1] < min_size[1]):
+        raise ValueError(
+            f"expected input at least {min_size[0]}x{min_size[1]} with {in_chans} channels "
+            f"(the model's total stride), got {tuple(x.shape)}"
+        )
+
+
+class PatchEmbed(nn.Module):
+    """Image to tokens by one convolution.
+
+    ViT uses non-overlapping patches (kernel = stride = patch); MViTv2 an overlapping
+    convolution (kernel 7, stride 4, padding 3).
+
+    Args:
+        in_chans: image channels.
+        embed_dim: token width.
+        kernel_size: convolution kernel.
+        stride: convolution stride (the patch size for ViT).
+        padding: convolution padding.
+        flatten: return ``(B, H*W, C)`` tokens; otherwise channels-last ``(B, H, W, C)``.
+    """
+
+    def __init__(
+        self,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        kernel_size: Union[int, Sequence[int]] = 16,
+        stride: Union[int, Sequence[int]] = 16,
+        padding: Union[int, Sequence[int]] = 0,
+        flatten: bool = True,
+    ):
+        super().__init__()
+        self.kernel_size = to_2tuple_int(kernel_size, "kernel_size")
+        self.stride = to_2tuple_int(stride, "stride")
+        self.padding = to_2tuple_int(padding, "padding")
+        self.flatten = flatten
+        self.proj = nn.Conv2d(in_chans, embed_dim, self.kernel_size, self.stride, self.padding)
+
+    def output_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        """Token grid ``(H', W')`` for an ``img_size`` input."""
+        return tuple(  # type: ignore[return-value]
+            (s + 2 * p - k) // st + 1
+            for s, p, k, st in zip(img_size, self.padding, self.kernel_size, self.stride)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).permute(0, 2, 3, 1)  # (B, H', W', C)
+        if self.flatten:
+            x = x.flatten(1, 2)  # (B, H'*W', C)
+        return x
