@@ -1,1 +1,491 @@
-"""Placeholder: this model family is being written."""
+"""Rev-Swin: a reversible Swin Transformer.
+
+Swin: Liu et al., "Swin Transformer: Hierarchical Vision Transformer using Shifted Windows",
+ICCV 2021. Reversible variant: Mangalam et al., "Reversible Vision Transformers", CVPR 2022;
+Zhu & Mangalam, "PaReprop: Fast Parallelized Reversible Backpropagation", 2023.
+
+Each block is a reversible coupling whose F is (shifted-)window attention and whose G is the
+MLP. A stage runs one :class:`~pareprop.engine.ReversibleStack` on two copies of its input;
+the window masks reach F as stack keyword arguments, so forward and recomputation use the same
+masks. Before each patch merging the two C-wide streams are concatenated and fused back to C
+channels by a small MLP (2C -> C). The last stage keeps the 2C-wide concatenation, which is
+normalised, averaged over tokens and classified (``num_features = 2 * C_last``).
+
+Sizes that are not multiples of the window are padded (bottom, right), attended with a mask
+that hides the padding, and cropped; odd sizes before a patch merging are padded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
+
+from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine import set_engine as _set_engine
+from pareprop.layers.window_attention import (
+    WindowAttention,
+    padded_size,
+    window_mask,
+    window_partition,
+    window_reverse,
+)
+from pareprop.models._registry import register_model
+
+__all__ = ["SwinConfig", "RevSwinBlock", "RevSwinStage", "RevSwin", "SWIN_VARIANTS"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class SwinConfig:
+    """Everything needed to build a :class:`RevSwin`; named variants live in ``SWIN_VARIANTS``.
+
+    ``window`` is the requested window side; a stage whose (configured) resolution is not
+    larger than the window uses one window covering the whole map and no shift, as in Swin.
+    """
+
+    img_size: Union[int, Tuple[int, int]] = 224
+    patch_size: int = 4
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 96
+    depths: Tuple[int, ...] = (2, 2, 6, 2)
+    num_heads: Tuple[int, ...] = (3, 6, 12, 24)
+    window: int = 7
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0  # before the head
+    proj_drop_rate: float = 0.0  # after the attention projection and inside the MLP
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.1
+    engine: str = "reversible"
+    mean: Tuple[float, ...] = IMAGENET_MEAN
+    std: Tuple[float, ...] = IMAGENET_STD
+
+    def __post_init__(self) -> None:
+        # JSON turns tuples into lists; accept them so a saved config rebuilds the model.
+        self.img_size = to_2tuple(tuple(self.img_size) if isinstance(self.img_size, list) else self.img_size)
+        self.img_size = tuple(int(s) for s in self.img_size)
+        self.depths = tuple(self.depths)
+        self.num_heads = tuple(self.num_heads)
+        self.mean = tuple(self.mean)
+        self.std = tuple(self.std)
+        if len(self.depths) != len(self.num_heads):
+            raise ValueError(
+                f"expected one num_heads entry per stage ({len(self.depths)} stages), "
+                f"got depths={self.depths}, num_heads={self.num_heads}"
+            )
+        if any(d < 1 for d in self.depths):
+            raise ValueError(f"expected every stage depth >= 1, got depths={self.depths}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"expected engine in {ENGINES}, got {self.engine!r}")
+        for i, h in enumerate(self.num_heads):
+            if (self.embed_dim * 2**i) % h != 0:
+                raise ValueError(
+                    f"stage {i} has {self.embed_dim * 2**i} channels, not divisible by "
+                    f"num_heads[{i}]={h}"
+                )
+        if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
+            raise ValueError(
+                f"expected img_size a multiple of patch_size={self.patch_size}, "
+                f"got {self.img_size}"
+            )
+
+    @property
+    def depth(self) -> int:
+        """Total number of blocks."""
+        return sum(self.depths)
+
+
+def _config(base: SwinConfig, overrides: Dict[str, Any]) -> SwinConfig:
+    valid = [f.name for f in dataclasses.fields(SwinConfig)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown SwinConfig field(s) {unknown}; valid fields: {valid}")
+    return dataclasses.replace(base, **overrides)
+
+
+def _stage_window(resolution: Tuple[int, int], window: int) -> Tuple[int, int]:
+    """(window, shift) for a stage at ``resolution``: one window, no shift, if the map fits."""
+    if min(resolution) <= window:
+        return min(resolution), 0
+    return window, window // 2
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches by a strided convolution, then LayerNorm; channels-last out."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).permute(0, 2, 3, 1)  # (B, H/p, W/p, C)
+        return self.norm(x)
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbouring tokens concatenated (4C), normalised, projected to 2C; odd sizes padded."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * dim)
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        H, W = x.shape[1], x.shape[2]
+        x = x.view(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5)  # (B, H/2, W/2, 2, 2, C)
+        x = x.reshape(B, H // 2, W // 2, 4 * C)  # (B, H/2, W/2, 4C)
+        return self.reduction(self.norm(x))
+
+
+class StreamFusion(nn.Module):
+    """Fuse the two concatenated reversible streams (2C) back to C channels before merging."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(2 * dim)
+        self.mlp = Mlp(2 * dim, hidden_features=dim, out_features=dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x))
+
+
+class RevSwinBlock(ReversibleBlock):
+    """Reversible Swin block: F = LayerNorm + (shifted-)window attention, G = LayerNorm + MLP.
+
+    Args:
+        dim: Channels of each stream.
+        num_heads: Attention heads.
+        window: Window side.
+        shift: Cyclic shift (0 for plain windows, else normally ``window // 2``).
+        mlp_ratio: MLP hidden width over ``dim``.
+        qkv_bias: Bias in the qkv projection.
+        proj_drop: Dropout after the attention projection and inside the MLP.
+        attn_drop: Dropout on attention weights.
+        drop_path: Stochastic depth rate of both branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        window: int,
+        shift: int = 0,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not 0 <= shift < window:
+            raise ValueError(f"expected 0 <= shift < window={window}, got shift={shift}")
+        self.window = window
+        self.shift = shift
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, num_heads, window, qkv_bias, attn_drop, proj_drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, hidden_features=int(dim * mlp_ratio), drop=proj_drop)
+
+    def f(
+        self,
+        x: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        shift_mask: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Window attention on ``(B, H, W, C)``; ``mask``/``shift_mask`` from :func:`window_mask`."""
+        B, H, W, C = x.shape
+        w, s = self.window, self.shift
+        x = self.norm1(x)
+        Hp, Wp = padded_size(H, w), padded_size(W, w)
+        x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))  # (B, Hp, Wp, C)
+        if s > 0:
+            x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
+        x = self.attn(window_partition(x, w), shift_mask if s > 0 else mask)  # (B*nW, N, C)
+        x = window_reverse(x, w, Hp, Wp)  # (B, Hp, Wp, C)
+        if s > 0:
+            x = torch.roll(x, shifts=(s, s), dims=(1, 2))
+        return self.drop_path(x[:, :H, :W, :])
+
+    def g(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.drop_path(self.mlp(self.norm2(x)))
+
+
+class RevSwinStage(nn.Module):
+    """Optional patch merging, a reversible stack, and (unless last) the 2C -> C stream fusion.
+
+    Args:
+        dim: Channels inside the stage (after merging).
+        depth: Reversible blocks.
+        num_heads: Attention heads.
+        window: Window side for this stage.
+        shift: Shift of the odd blocks (0 disables shifting).
+        downsample: Whether to start with patch merging (input has ``dim // 2`` channels).
+        fuse: Whether to end with :class:`StreamFusion` (else the 2C concatenation is returned).
+        drop_path: One stochastic depth rate per block.
+        engine: Backward engine of the stack.
+        **block_kwargs: Passed to every :class:`RevSwinBlock`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        window: int,
+        shift: int,
+        downsample: bool,
+        fuse: bool,
+        drop_path: Tuple[float, ...],
+        engine: str = "reversible",
+        **block_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.window = window
+        self.shift = shift
+        self.downsample = PatchMerging(dim // 2) if downsample else None
+        self.blocks = ReversibleStack(
+            [
+                RevSwinBlock(
+                    dim,
+                    num_heads,
+                    window,
+                    shift=0 if i % 2 == 0 else shift,
+                    drop_path=drop_path[i],
+                    **block_kwargs,
+                )
+                for i in range(depth)
+            ],
+            engine=engine,
+        )
+        self.fuse = StreamFusion(dim) if fuse else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.downsample is not None:
+            x = self.downsample(x)
+        H, W = x.shape[1], x.shape[2]
+        # Built here, once per stage, and handed to every block as a stack keyword: the engine
+        # replays F with exactly these masks when it recomputes in backward.
+        masks = {
+            "mask": window_mask(H, W, self.window, 0, x.device),
+            "shift_mask": window_mask(H, W, self.window, self.shift, x.device)
+            if self.shift > 0
+            else None,
+        }
+        masks = {k: v for k, v in masks.items() if v is not None}
+        x1, x2 = self.blocks(x, x, **masks)
+        x = torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
+        if self.fuse is not None:
+            x = self.fuse(x)  # (B, H, W, C)
+        return x
+
+
+class RevSwin(nn.Module):
+    """Reversible Swin Transformer for image classification.
+
+    Args:
+        cfg: Model configuration; see :class:`SwinConfig`.
+    """
+
+    def __init__(self, cfg: SwinConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_classes = cfg.num_classes
+        n = len(cfg.depths)
+        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans, cfg.embed_dim)
+        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        res = (cfg.img_size[0] // cfg.patch_size, cfg.img_size[1] // cfg.patch_size)
+        stages = []
+        for i in range(n):
+            if i > 0:
+                res = (-(-res[0] // 2), -(-res[1] // 2))
+            window, shift = _stage_window(res, cfg.window)
+            start = sum(cfg.depths[:i])
+            stages.append(
+                RevSwinStage(
+                    dim=cfg.embed_dim * 2**i,
+                    depth=cfg.depths[i],
+                    num_heads=cfg.num_heads[i],
+                    window=window,
+                    shift=shift,
+                    downsample=i > 0,
+                    fuse=i < n - 1,
+                    drop_path=tuple(dpr[start : start + cfg.depths[i]]),
+                    engine=cfg.engine,
+                    mlp_ratio=cfg.mlp_ratio,
+                    qkv_bias=cfg.qkv_bias,
+                    proj_drop=cfg.proj_drop_rate,
+                    attn_drop=cfg.attn_drop_rate,
+                )
+            )
+        self.stages = nn.Sequential(*stages)
+        self.num_features = 2 * cfg.embed_dim * 2 ** (n - 1)
+        self.norm = nn.LayerNorm(self.num_features)
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        self.pretrained_cfg = {
+            "input_size": (cfg.in_chans, *cfg.img_size),
+            "num_classes": cfg.num_classes,
+            "mean": cfg.mean,
+            "std": cfg.std,
+            "interpolation": "bicubic",
+            "crop_pct": 0.9,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        }
+        self.default_cfg = self.pretrained_cfg
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def set_engine(self, name: str) -> "RevSwin":
+        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
+        if name not in ENGINES:
+            raise ValueError(f"expected engine in {ENGINES}, got {name!r}")
+        _set_engine(self, name)
+        self.cfg.engine = name
+        return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise NotImplementedError(
+                "RevSwin does not store block activations in the first place: use "
+                "set_engine('reversible') or set_engine('pareprop') instead of checkpointing"
+            )
+
+    def no_weight_decay(self) -> Set[str]:
+        return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.cfg.num_classes = num_classes
+        self.pretrained_cfg["num_classes"] = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            self._init_weights(self.head)
+
+    def example_inputs(
+        self, batch_size: int, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32
+    ) -> Tuple[torch.Tensor]:
+        """Random images of the configured size: ``(x,)`` with x of shape (B, C, H, W)."""
+        return (torch.randn(batch_size, self.cfg.in_chans, *self.cfg.img_size, device=device, dtype=dtype),)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        p, c = self.cfg.patch_size, self.cfg.in_chans
+        if not torch.is_tensor(x) or not x.is_floating_point() or x.dim() != 4 or x.shape[1] != c:
+            got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+            dtype = f" {x.dtype}" if torch.is_tensor(x) and not x.is_floating_point() else ""
+            raise ValueError(
+                f"expected float input (B, {c}, H, W) with H, W multiples of {p} "
+                f"(configured {self.cfg.img_size[0]}x{self.cfg.img_size[1]}), got{dtype} {got}"
+            )
+        if x.shape[2] % p or x.shape[3] % p:
+            raise ValueError(
+                f"expected input height and width multiples of patch_size={p}, "
+                f"got {tuple(x.shape)}"
+            )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` -> normalised final tokens ``(B, H', W', num_features)``."""
+        self._check_input(x)
+        x = self.patch_embed(x)  # (B, H/p, W/p, C)
+        x = self.stages(x)  # (B, H', W', 2C_last)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x.mean(dim=(1, 2))  # (B, num_features)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _sizes(embed_dim: int, depths: Tuple[int, ...]) -> Dict[str, Any]:
+    # Head width 32 at every stage, as in Swin (T: 3/6/12/24 heads, B: 4/8/16/32, L: 6/../48).
+    return {
+        "embed_dim": embed_dim,
+        "depths": depths,
+        "num_heads": tuple(embed_dim * 2**i // 32 for i in range(len(depths))),
+    }
+
+
+SWIN_VARIANTS: Dict[str, SwinConfig] = {
+    "rev_swin_tiny": SwinConfig(**_sizes(96, (2, 2, 6, 2)), drop_path_rate=0.2),
+    "rev_swin_small": SwinConfig(**_sizes(96, (2, 2, 18, 2)), drop_path_rate=0.3),
+    "rev_swin_base": SwinConfig(**_sizes(128, (2, 2, 18, 2)), drop_path_rate=0.5),
+    "rev_swin_large": SwinConfig(**_sizes(192, (2, 2, 18, 2)), drop_path_rate=0.5),
+    "rev_swin_huge": SwinConfig(**_sizes(352, (2, 2, 18, 2)), drop_path_rate=0.5),
+    "rev_swin_giant": SwinConfig(**_sizes(512, (2, 2, 42, 2)), drop_path_rate=0.5),
+    # CIFAR scale: 32 px, 2 px patches (16x16 tokens), windows of 4; stages at 16, 8, 4, 2.
+    "rev_swin_tiny_32": SwinConfig(
+        img_size=32,
+        patch_size=2,
+        window=4,
+        num_classes=10,
+        **_sizes(96, (2, 2, 6, 2)),
+        drop_path_rate=0.1,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+    ),
+}
+
+
+def _create(name: str, **overrides: Any) -> RevSwin:
+    return RevSwin(_config(SWIN_VARIANTS[name], overrides))
+
+
+@register_model
+def rev_swin_tiny(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_tiny", **kwargs)
+
+
+@register_model
+def rev_swin_small(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_small", **kwargs)
+
+
+@register_model
+def rev_swin_base(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_base", **kwargs)
+
+
+@register_model
+def rev_swin_large(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_large", **kwargs)
+
+
+@register_model
+def rev_swin_huge(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_huge", **kwargs)
+
+
+@register_model
+def rev_swin_giant(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_giant", **kwargs)
+
+
+@register_model
+def rev_swin_tiny_32(**kwargs: Any) -> RevSwin:
+    return _create("rev_swin_tiny_32", **kwargs)
