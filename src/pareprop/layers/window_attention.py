@@ -11,7 +11,7 @@ and to tokens that the roll brought in from the opposite edge.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -49,8 +49,8 @@ def window_reverse(windows: torch.Tensor, window: int, H: int, W: int) -> torch.
 
 
 def window_mask(
-    H: int, W: int, window: int, shift: int, device: Optional[torch.device] = None
-) -> Optional[torch.Tensor]:
+    H: int, W: int, window: int, shift: int, device: torch.device | None = None
+) -> torch.Tensor | None:
     """Which key each query may attend to, per window, for an ``H x W`` map.
 
     Args:
@@ -112,7 +112,9 @@ class WindowAttention(nn.Module):
     ) -> None:
         super().__init__()
         if dim % num_heads != 0:
-            raise ValueError(f"expected dim divisible by num_heads, got dim={dim}, heads={num_heads}")
+            raise ValueError(
+                f"expected dim divisible by num_heads, got dim={dim}, heads={num_heads}"
+            )
         self.dim = dim
         self.num_heads = num_heads
         self.window = window
@@ -145,7 +147,7 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(N, N, -1).permute(2, 0, 1)  # (heads, N, N)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend within windows.
 
         Args:
@@ -157,7 +159,7 @@ class WindowAttention(nn.Module):
         """
         BnW, N, C = x.shape
         if N != self.window * self.window:
-            raise ValueError(f"expected windows of {self.window ** 2} tokens, got {N}")
+            raise ValueError(f"expected windows of {self.window**2} tokens, got {N}")
         q, k, v = self._heads(self.qkv(x))
         attn = (q * self.scale) @ k.transpose(-2, -1)  # (B*nW, heads, N, N)
         attn = attn + self.relative_position_bias().to(attn.dtype)

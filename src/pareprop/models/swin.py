@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Dict, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -71,7 +71,9 @@ class SwinConfig:
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists; accept them so a saved config rebuilds the model.
-        self.img_size = to_2tuple(tuple(self.img_size) if isinstance(self.img_size, list) else self.img_size)
+        self.img_size = to_2tuple(
+            tuple(self.img_size) if isinstance(self.img_size, list) else self.img_size
+        )
         self.img_size = tuple(int(s) for s in self.img_size)
         self.depths = tuple(self.depths)
         self.num_heads = tuple(self.num_heads)
@@ -94,8 +96,7 @@ class SwinConfig:
                 )
         if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
             raise ValueError(
-                f"expected img_size a multiple of patch_size={self.patch_size}, "
-                f"got {self.img_size}"
+                f"expected img_size a multiple of patch_size={self.patch_size}, got {self.img_size}"
             )
 
     @property
@@ -202,11 +203,11 @@ class RevSwinBlock(ReversibleBlock):
     def f(
         self,
         x: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
-        shift_mask: Optional[torch.Tensor] = None,
+        mask: torch.Tensor | None = None,
+        shift_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Window attention on ``(B, H, W, C)``; ``mask``/``shift_mask`` from :func:`window_mask`."""
+        """Window attention on ``(B, H, W, C)``; masks from :func:`window_mask`."""
         B, H, W, C = x.shape
         w, s = self.window, self.shift
         x = self.norm1(x)
@@ -335,7 +336,9 @@ class RevSwin(nn.Module):
         self.num_features = 2 * cfg.embed_dim * 2 ** (n - 1)
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        self.head = (
+            nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        )
         self.pretrained_cfg = {
             "input_size": (cfg.in_chans, *cfg.img_size),
             "num_classes": cfg.num_classes,
@@ -359,7 +362,7 @@ class RevSwin(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def set_engine(self, name: str) -> "RevSwin":
+    def set_engine(self, name: str) -> RevSwin:
         """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
         if name not in ENGINES:
             raise ValueError(f"expected engine in {ENGINES}, got {name!r}")
@@ -386,10 +389,17 @@ class RevSwin(nn.Module):
             self._init_weights(self.head)
 
     def example_inputs(
-        self, batch_size: int, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32
+        self,
+        batch_size: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Tuple[torch.Tensor]:
         """Random images of the configured size: ``(x,)`` with x of shape (B, C, H, W)."""
-        return (torch.randn(batch_size, self.cfg.in_chans, *self.cfg.img_size, device=device, dtype=dtype),)
+        return (
+            torch.randn(
+                batch_size, self.cfg.in_chans, *self.cfg.img_size, device=device, dtype=dtype
+            ),
+        )
 
     def _check_input(self, x: torch.Tensor) -> None:
         p, c = self.cfg.patch_size, self.cfg.in_chans
@@ -402,8 +412,7 @@ class RevSwin(nn.Module):
             )
         if x.shape[2] % p or x.shape[3] % p:
             raise ValueError(
-                f"expected input height and width multiples of patch_size={p}, "
-                f"got {tuple(x.shape)}"
+                f"expected input height and width multiples of patch_size={p}, got {tuple(x.shape)}"
             )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
