@@ -1,6 +1,13 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
-from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack, set_engine
+from pareprop.engine import (
+    ENGINES,
+    ReversibleBlock,
+    ReversibleStack,
+    debug_reconstruction,
+    set_engine,
+)
+from pareprop.memory import activation_bytes
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 
 __version__ = "0.1.0"
@@ -10,6 +17,8 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "debug_reconstruction",
+    "activation_bytes",
     "create_model",
     "is_model",
     "list_models",

@@ -1,44 +1,641 @@
-"""PLACEHOLDER: the real engine is being written; only the API is final."""
+"""Reversible blocks, the stacks that run them, and three backward engines.
+
+A reversible block couples two streams of equal shape (SPEC section 1)::
+
+    Y1 = X1 + F(X2)        X2 = Y2 - G(Y1)
+    Y2 = X2 + G(Y1)        X1 = Y1 - F(X2)
+
+so a stack of them can rebuild every block's input from its output. The engines:
+
+* ``autograd``: plain PyTorch autograd, every intermediate stored. The reference.
+* ``reversible`` (Reprop, Mangalam et al. 2022): forward keeps only the stack's outputs;
+  backward walks the blocks from last to first, rebuilding each block's local graphs and
+  inputs from its outputs, then backpropagating through them.
+* ``pareprop`` (PaReprop, Zhu & Mangalam 2023): the same work, scheduled so that rebuilding
+  block l-1 overlaps with the gradients of block l on a second CUDA stream.
+
+Blocks hold only the mathematics (``f`` and ``g``); everything about backward lives here.
+"""
+
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
+__all__ = [
+    "ENGINES",
+    "ReversibleBlock",
+    "ReversibleStack",
+    "set_engine",
+    "debug_reconstruction",
+]
+
 ENGINES = ("autograd", "reversible", "pareprop")
+
+Tensor = torch.Tensor
 
 
 class ReversibleBlock(nn.Module):
-    def f(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
+    """Base class of a reversible block: subclasses define ``f`` and ``g``.
 
-    def g(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
+    Both map a tensor to one of the same shape, and both receive the keyword arguments given
+    to :class:`ReversibleStack` (an attention mask, a spatial size, ...). Rules that keep the
+    block invertible and its recomputation exact:
 
-    def forward(self, x1, x2, **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    * use only parameters registered in the block (its own submodules);
+    * never modify the input in place;
+    * no modules with running statistics (BatchNorm): recomputation would update them twice;
+    * randomness (dropout, drop-path) is fine: the engines replay it exactly.
+    """
+
+    def f(self, x: Tensor, **kwargs: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define f(x, **kwargs)")
+
+    def g(self, x: Tensor, **kwargs: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define g(x, **kwargs)")
+
+    def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        """The coupling under plain autograd; stacks call ``f`` and ``g`` directly."""
         y1 = x1 + self.f(x2, **kwargs)
         y2 = x2 + self.g(y1, **kwargs)
         return y1, y2
 
 
+def _check_engine(name: str) -> str:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")
+    return name
+
+
+def _running_stat_modules(blocks: Iterable[nn.Module]) -> List[str]:
+    found = []
+    for i, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+                found.append(f"blocks.{i}.{name}" if name else f"blocks.{i}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTE [ Exact replay of randomness ]
+# Dropout and drop-path inside F and G must draw in recomputation exactly what they drew in
+# forward. Forward captures the CPU generator state (and the CUDA generator state of the
+# stack's device) just before each call of F and of G; recomputation restores the matching
+# state before calling F or G again. Backward calls G before F, the reverse of forward, which
+# is why one state per block would not do. Backward saves the global states on entry and puts
+# them back on exit, so after a training step the global RNG is exactly where the autograd
+# engine leaves it: forward consumed the same draws, and backward consumed none. Nothing is
+# ever reseeded.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RngState:
+    cpu: Tensor
+    cuda: Optional[Tensor]
+
+    @staticmethod
+    def capture(device: torch.device) -> "_RngState":
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return _RngState(torch.get_rng_state(), cuda)
+
+    def restore(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
+# NOTE [ Autocast in recomputation ]
+# Backward runs outside the user's autocast region (autocast state is thread-local and the
+# autograd engine has its own threads), so recomputation re-enters the autocast state that was
+# active at forward: device type, dtype and enabled flag, for the CPU and for the stack's device.
+
+
+def _autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
+    try:  # torch >= 2.4
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except TypeError:  # older signature without a device type
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+
+
+@dataclass(frozen=True)
+class _AutocastState:
+    states: Tuple[Tuple[str, bool, torch.dtype], ...]
+
+    @staticmethod
+    def capture(device: torch.device) -> "_AutocastState":
+        types = ["cpu"] if device.type == "cpu" else ["cpu", device.type]
+        return _AutocastState(tuple((t, *_autocast_state(t)) for t in types))
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in self.states:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward coupling, shared by every engine.
+# ---------------------------------------------------------------------------------------------
+
+
+def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str, Any]) -> Tensor:
+    version = x._version
+    out = getattr(block, name)(x, **kwargs)
+    if x._version != version:
+        raise RuntimeError(
+            f"{type(block).__name__}.{name} modified its input in place; a reversible block "
+            "must leave its input unchanged (use out-of-place ops, e.g. inplace=False)"
+        )
+    if out.shape != x.shape:
+        raise RuntimeError(
+            f"{type(block).__name__}.{name} must return a tensor of its input's shape "
+            f"{tuple(x.shape)}, got {tuple(out.shape)}"
+        )
+    return out
+
+
+@dataclass
+class _BlockRecord:
+    """What forward leaves for one block's recomputation (and for the debug check)."""
+
+    f_rng: _RngState
+    g_rng: _RngState
+    inputs: Optional[Tuple[Tensor, Tensor]] = None
+
+
+def _couple(
+    block: ReversibleBlock,
+    x1: Tensor,
+    x2: Tensor,
+    kwargs: Dict[str, Any],
+    records: Optional[List[_BlockRecord]] = None,
+    keep_inputs: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    if records is None:
+        y1 = x1 + _call_checked(block, "f", x2, kwargs)
+        return y1, x2 + _call_checked(block, "g", y1, kwargs)
+    f_rng = _RngState.capture(x2.device)
+    y1 = x1 + _call_checked(block, "f", x2, kwargs)
+    g_rng = _RngState.capture(x2.device)
+    y2 = x2 + _call_checked(block, "g", y1, kwargs)
+    inputs = (x1.clone(), x2.clone()) if keep_inputs else None
+    records.append(_BlockRecord(f_rng, g_rng, inputs))
+    return y1, y2
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: recover(l) rebuilds block l's local graphs and inputs; grads(l) backpropagates
+# through them. Both engines are schedules of these two steps.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Everything a stack's backward needs besides the saved outputs."""
+
+    blocks: Sequence[ReversibleBlock]
+    engine: str
+    kwargs: Dict[str, Any]
+    # Per block: (index into the Function's parameter inputs, parameter) of trainable params.
+    block_params: List[List[Tuple[int, Tensor]]]
+    # Per block: every parameter as (owning module, attribute, tensor, version) at forward.
+    block_locations: List[List["_ParamLocation"]]
+    num_params: int
+    device: torch.device
+    autocast: _AutocastState
+    debug_tolerance: Optional[float] = None
+    records: List[_BlockRecord] = field(default_factory=list)
+    reconstruction_errors: List[Tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class _ParamLocation:
+    module: nn.Module
+    name: str
+    tensor: Tensor
+    version: int
+
+
+# NOTE [ Recomputing with the forward's parameters ]
+# Recomputation must see the very parameter tensors that forward used. Two things could break
+# that silently: a parameter modified in place between forward and backward (an optimizer
+# step too early), which we refuse; and parameters swapped for the duration of forward only
+# (torch.func.functional_call), which we swap in again while recomputing.
+
+
+@contextlib.contextmanager
+def _forward_parameters(plan: _Plan, index: int) -> Iterator[None]:
+    swapped = []
+    try:
+        for loc in plan.block_locations[index]:
+            if loc.tensor._version != loc.version:
+                raise RuntimeError(
+                    f"parameter {loc.name!r} of block {index} ({type(plan.blocks[index]).__name__})"
+                    " was modified in place between forward and backward (an optimizer step "
+                    "before backward?); the reversible engines recompute with it, so its "
+                    "gradients would be wrong"
+                )
+            current = loc.module._parameters[loc.name]
+            if current is not loc.tensor:
+                swapped.append((loc.module, loc.name, current))
+                loc.module._parameters[loc.name] = loc.tensor
+        yield
+    finally:
+        for module, name, current in reversed(swapped):
+            module._parameters[name] = current
+
+
+@dataclass
+class _Rebuilt:
+    """Block l's local graphs, G(Y1) and F(X2), and its reconstructed inputs."""
+
+    y1: Tensor  # leaf: the block's first output, input of G
+    g_out: Tensor
+    x2: Tensor  # leaf: the reconstructed second input, input of F
+    f_out: Tensor
+    x1: Tensor  # reconstructed first input (no graph)
+
+
+def _relative_error(a: Tensor, b: Tensor) -> float:
+    scale = b.double().norm().item()
+    return (a.double() - b.double()).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
+    block, record = plan.blocks[index], plan.records[index]
+    with torch.enable_grad(), plan.autocast.replay(), _forward_parameters(plan, index):
+        y1 = y1.detach().requires_grad_(True)
+        record.g_rng.restore(plan.device)
+        g_out = _call_checked(block, "g", y1, plan.kwargs)
+        with torch.no_grad():
+            x2 = (y2 - g_out).requires_grad_(True)
+        record.f_rng.restore(plan.device)
+        f_out = _call_checked(block, "f", x2, plan.kwargs)
+        with torch.no_grad():
+            x1 = y1 - f_out
+    if record.inputs is not None:
+        _check_reconstruction(plan, index, (x1, x2), record.inputs)
+    return _Rebuilt(y1, g_out, x2, f_out, x1)
+
+
+def _check_reconstruction(
+    plan: _Plan, index: int, rebuilt: Tuple[Tensor, Tensor], actual: Tuple[Tensor, Tensor]
+) -> None:
+    errors = tuple(_relative_error(r.detach(), a) for r, a in zip(rebuilt, actual))
+    plan.reconstruction_errors[index] = errors
+    tol = plan.debug_tolerance
+    if tol is not None and max(errors) > tol:
+        warnings.warn(
+            f"block {index} ({type(plan.blocks[index]).__name__}): rebuilt inputs differ from "
+            f"the forward's by relative error X1 {errors[0]:.3e}, X2 {errors[1]:.3e} "
+            f"(tolerance {tol:.1e}); is F or G not a pure function of its input?",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _vjp(out: Tensor, inputs: List[Tensor], grad_out: Tensor) -> List[Optional[Tensor]]:
+    if not out.requires_grad:  # F or G ignores its input and has no trainable parameter
+        return [None] * len(inputs)
+    return list(
+        torch.autograd.grad(out, inputs, grad_out.to(out.dtype), allow_unused=True)
+    )
+
+
+def _grads(
+    plan: _Plan,
+    index: int,
+    rebuilt: _Rebuilt,
+    dy1: Tensor,
+    dy2: Tensor,
+    param_grads: List[Optional[Tensor]],
+    lanes: "_Lanes",
+) -> Tuple[Tensor, Tensor]:
+    owned = plan.block_params[index]
+    params = [p for _, p in owned]
+    # Y2 = X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
+    g_in, *g_params = _vjp(rebuilt.g_out, [rebuilt.y1, *params], dy2)
+    dy1_total = dy1 if g_in is None else dy1 + g_in
+    # Y1 = X1 + F(X2): the total dY1 flows into F, whose input gradient joins dY2.
+    f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
+    dx2 = dy2 if f_in is None else dy2 + f_in
+    for (slot, _), gg, fg in zip(owned, g_params, f_params):
+        for grad in (gg, fg):
+            if grad is None:
+                continue
+            previous = param_grads[slot]
+            if previous is None:
+                param_grads[slot] = grad
+            else:  # a parameter shared by F and G, or by several blocks
+                lanes.hand_over(previous, index)
+                param_grads[slot] = previous + grad
+    return dy1_total, dx2
+
+
+# NOTE [ PaReprop on two CUDA streams ]
+# recover(l-1) needs only X of block l (from recover(l)); grads(l) needs only dY of block l
+# (from grads(l+1)) and block l's rebuilt graphs. So after recover(L), each step l runs
+# recover(l-1) and grads(l) at once. Block l's recover and grads share one stream (autograd
+# runs a backward kernel on the stream of its forward kernel, so the rebuilt graph fixes it),
+# and neighbouring blocks alternate between two streams. Cross-stream dependencies are device
+# events (the host never waits), and every tensor used on a stream other than the one that
+# allocated it is passed to record_stream, so the caching allocator does not hand its memory
+# out again while the other stream may still read it. On the CPU the same schedule runs in
+# program order: the bookkeeping (which block recovers, which computes gradients, where each
+# gradient goes, two rebuilt graphs alive at once) is the same code, tested without a GPU.
+
+_SIDE_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
+
+
+def _side_streams(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:  # created when first needed, never at import
+        _SIDE_STREAMS[index] = (
+            torch.cuda.Stream(device=index),
+            torch.cuda.Stream(device=index),
+        )
+    return _SIDE_STREAMS[index]
+
+
+class _Lanes:
+    """Two streams that alternate between blocks, or program order on the CPU."""
+
+    def __init__(self, device: torch.device, parallel: bool):
+        self.enabled = parallel and device.type == "cuda"
+        if not self.enabled:
+            return
+        self.main = torch.cuda.current_stream(device)
+        self.streams = _side_streams(device)
+        for stream in self.streams:  # inputs of backward come from the main stream
+            stream.wait_stream(self.main)
+
+    def run_on(self, block_index: int) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.streams[block_index % 2])
+
+    def mark(self, block_index: int) -> Optional["torch.cuda.Event"]:
+        """An event at the current end of the block's stream."""
+        if not self.enabled:
+            return None
+        return self.streams[block_index % 2].record_event()
+
+    def wait(self, block_index: int, event: Optional["torch.cuda.Event"]) -> None:
+        if self.enabled and event is not None:
+            self.streams[block_index % 2].wait_event(event)
+
+    def hand_over(self, tensor: Optional[Tensor], block_index: Optional[int]) -> None:
+        """Tell the allocator that ``tensor`` is used on block_index's stream (None: main)."""
+        if not self.enabled or tensor is None:
+            return
+        stream = self.main if block_index is None else self.streams[block_index % 2]
+        tensor.record_stream(stream)
+
+    def join(self) -> None:
+        if self.enabled:
+            for stream in self.streams:
+                self.main.wait_stream(stream)
+
+
+def _backward_in_order(plan, y1, y2, dy1, dy2, param_grads):
+    lanes = _Lanes(plan.device, parallel=False)
+    for index in reversed(range(len(plan.blocks))):
+        rebuilt = _recover(plan, index, y1, y2)
+        dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads, lanes)
+        y1, y2 = rebuilt.x1, rebuilt.x2.detach()
+        del rebuilt  # frees block index's graph before the next block builds its own
+    return dy1, dy2
+
+
+def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
+    lanes = _Lanes(plan.device, parallel=True)
+    last = len(plan.blocks) - 1
+    for t in (y1, y2, dy1, dy2):
+        lanes.hand_over(t, last)
+    with lanes.run_on(last):
+        rebuilt = _recover(plan, last, y1, y2)
+    recovered = lanes.mark(last)
+    grads_done = None  # the top block's dY comes from the main stream, already waited for
+    for index in range(last, 0, -1):
+        # recover(index-1) on the other stream, after recover(index).
+        x1, x2 = rebuilt.x1, rebuilt.x2.detach()
+        lanes.wait(index - 1, recovered)
+        lanes.hand_over(x1, index - 1)
+        lanes.hand_over(x2, index - 1)
+        with lanes.run_on(index - 1):
+            previous = _recover(plan, index - 1, x1, x2)
+        recovered = lanes.mark(index - 1)
+        # grads(index) on this block's stream, after grads(index+1).
+        lanes.wait(index, grads_done)
+        lanes.hand_over(dy1, index)
+        lanes.hand_over(dy2, index)
+        with lanes.run_on(index):
+            dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads, lanes)
+        grads_done = lanes.mark(index)
+        rebuilt = previous  # block index's graph is released here: two alive at most
+    lanes.wait(0, grads_done)
+    lanes.hand_over(dy1, 0)
+    lanes.hand_over(dy2, 0)
+    with lanes.run_on(0):
+        dy1, dy2 = _grads(plan, 0, rebuilt, dy1, dy2, param_grads, lanes)
+    lanes.join()
+    for t in (dy1, dy2, *param_grads):
+        lanes.hand_over(t, None)
+    return dy1, dy2
+
+
+class _ReversibleFunction(torch.autograd.Function):
+    """Forward without a graph, keeping only the outputs; backward by reconstruction.
+
+    Parameters are inputs of the Function, so their gradients come back from ``backward`` as
+    ordinary outputs: ``torch.autograd.grad`` works on them and DistributedDataParallel's hooks
+    fire once per parameter, as with plain autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x1: Tensor, x2: Tensor, *params: Tensor):
+        keep = plan.debug_tolerance is not None
+        for block in plan.blocks:
+            x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
+        plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
+        ctx.plan = plan
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1: Tensor, dy2: Tensor):
+        if torch.is_grad_enabled():  # backward(create_graph=True) runs with grad mode on
+            raise RuntimeError(
+                "the reversible engines do not support double backward (create_graph=True): "
+                "they rebuild activations without a graph of the gradients; use "
+                "engine='autograd' for higher-order gradients"
+            )
+        # Saved tensors are freed after the first backward (unless retain_graph=True), so a
+        # second backward raises autograd's own "backward through the graph a second time".
+        y1, y2 = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        param_grads: List[Optional[Tensor]] = [None] * plan.num_params
+        entry = _RngState.capture(plan.device)
+        try:
+            if plan.engine == "pareprop":
+                dx1, dx2 = _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads)
+            else:
+                dx1, dx2 = _backward_in_order(plan, y1, y2, dy1, dy2, param_grads)
+        finally:
+            entry.restore(plan.device)
+        return (None, dx1, dx2, *param_grads)
+
+
 class ReversibleStack(nn.Module):
+    """A sequence of reversible blocks run by one of three backward engines.
+
+    Args:
+        blocks: the :class:`ReversibleBlock` instances, applied in order.
+        engine: ``"autograd"``, ``"reversible"`` or ``"pareprop"``.
+
+    ``forward(x1, x2, **kwargs)`` returns ``(y1, y2)``; keyword arguments reach every block's
+    ``f`` and ``g`` in forward and in recomputation alike. They are constants: a tensor passed
+    there must not require grad. In eval mode, under ``torch.no_grad()``, or when nothing
+    requires grad, the stack runs its blocks plainly, whatever the engine.
+    """
+
     def __init__(self, blocks: Iterable[ReversibleBlock], engine: str = "reversible"):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
-        self.engine = engine
+        if len(self.blocks) == 0:
+            raise ValueError("a ReversibleStack needs at least one block, got none")
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(
+                    f"block {i} is a {type(block).__name__}; expected a ReversibleBlock "
+                    "subclass that defines f and g"
+                )
+        self.engine = "autograd"
+        self.set_engine(engine)
+        self._debug_tolerance: Optional[float] = None
+        self.last_reconstruction_errors: List[Tuple[float, float]] = []
 
-    def set_engine(self, name: str) -> None:
+    def set_engine(self, name: str) -> "ReversibleStack":
+        _check_engine(name)
+        if name != "autograd":
+            found = _running_stat_modules(self.blocks)
+            if found:
+                raise ValueError(
+                    f"engine {name!r} recomputes F and G, which would update the running "
+                    f"statistics of {', '.join(found)} twice; use LayerNorm/GroupNorm, "
+                    "track_running_stats=False, or engine='autograd'"
+                )
         self.engine = name
+        return self
 
-    def forward(self, x1, x2, **kwargs):
+    def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
+        """For the next training step only: keep the forward's block inputs and warn, naming
+        the block, when a rebuilt input differs from them by more than ``tolerance`` (relative
+        error). The errors are left in ``last_reconstruction_errors`` as (X1, X2) per block."""
+        self._debug_tolerance = float(tolerance)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"engine={self.engine!r}"
+
+    def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        _check_streams(x1, x2)
+        _check_constants(kwargs)
+        if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
+            for block in self.blocks:
+                x1, x2 = _couple(block, x1, x2, kwargs)
+            return x1, x2
+        params, block_params, block_locations = self._trainable_params()
+        if not (x1.requires_grad or x2.requires_grad or params):
+            with torch.no_grad():
+                return self.forward(x1, x2, **kwargs)
+        tolerance, self._debug_tolerance = self._debug_tolerance, None
+        plan = _Plan(
+            blocks=list(self.blocks),
+            engine=self.engine,
+            kwargs=kwargs,
+            block_params=block_params,
+            block_locations=block_locations,
+            num_params=len(params),
+            device=x1.device,
+            autocast=_AutocastState.capture(x1.device),
+            debug_tolerance=tolerance,
+        )
+        # Backward fills the plan's list in place, so the stack sees the errors when it ends.
+        self.last_reconstruction_errors = plan.reconstruction_errors
+        return _ReversibleFunction.apply(plan, x1, x2, *params)
+
+    def _trainable_params(self):
+        params: List[Tensor] = []
+        slots: Dict[int, int] = {}
+        block_params: List[List[Tuple[int, Tensor]]] = []
+        block_locations: List[List[_ParamLocation]] = []
         for block in self.blocks:
-            x1, x2 = block(x1, x2, **kwargs)
-        return x1, x2
+            owned: Dict[int, Tuple[int, Tensor]] = {}
+            locations = []
+            for module in block.modules():
+                for name, p in module._parameters.items():
+                    if p is None:
+                        continue
+                    locations.append(_ParamLocation(module, name, p, p._version))
+                    if not p.requires_grad or id(p) in owned:
+                        continue
+                    if id(p) not in slots:
+                        slots[id(p)] = len(params)
+                        params.append(p)
+                    owned[id(p)] = (slots[id(p)], p)
+            block_params.append(list(owned.values()))
+            block_locations.append(locations)
+        return params, block_params, block_locations
+
+
+def _check_streams(x1: Tensor, x2: Tensor) -> None:
+    if not (isinstance(x1, Tensor) and isinstance(x2, Tensor)):
+        raise TypeError(
+            f"expected two tensors x1, x2, got {type(x1).__name__} and {type(x2).__name__}"
+        )
+    if x1.shape != x2.shape:
+        raise ValueError(
+            f"the two streams must have the same shape, got {tuple(x1.shape)} and "
+            f"{tuple(x2.shape)}"
+        )
+    if x1.dtype != x2.dtype or x1.device != x2.device:
+        raise ValueError(
+            "the two streams must share dtype and device, got "
+            f"{x1.dtype} on {x1.device} and {x2.dtype} on {x2.device}"
+        )
+
+
+def _check_constants(kwargs: Dict[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor) and value.requires_grad:
+            raise ValueError(
+                f"keyword input {key!r} requires grad, but keyword inputs of a "
+                "ReversibleStack are constants; pass it detached, or make it a stream"
+            )
 
 
 def set_engine(module: nn.Module, name: str) -> nn.Module:
+    """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``."""
+    _check_engine(name)
     for m in module.modules():
         if isinstance(m, ReversibleStack):
             m.set_engine(name)
+    return module
+
+
+def debug_reconstruction(module: nn.Module, tolerance: float = 1e-3) -> nn.Module:
+    """Arm :meth:`ReversibleStack.debug_reconstruction` on every stack inside ``module``."""
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.debug_reconstruction(tolerance)
     return module
