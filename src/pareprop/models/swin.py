@@ -384,7 +384,12 @@ class RevSwin(nn.Module):
         self.num_classes = num_classes
         self.cfg.num_classes = num_classes
         self.pretrained_cfg["num_classes"] = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        w = self.norm.weight  # the new head lives where the model lives
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
+            if num_classes > 0
+            else nn.Identity()
+        )
         if num_classes > 0:
             self._init_weights(self.head)
 
