@@ -1,1 +1,525 @@
-"""Placeholder: this model family is being written."""
+"""Rev-MViTv2: a multiscale vision transformer built from reversible stacks.
+
+Mangalam et al., "Reversible Vision Transformers", CVPR 2022 (Rev-MViT); Li et al., "MViTv2:
+Improved Multiscale Vision Transformers for Classification and Detection", CVPR 2022 (pooling
+attention); Zhu & Mangalam, "PaReprop", 2023.
+
+NOTE [ Stage structure ]
+``last_block_indexes`` names the last block of each stage. Block ``i`` is a non-reversible
+stage-transition block when ``i - 1`` is in that list; every other block is reversible, and
+each run of reversible blocks is one :class:`~pareprop.ReversibleStack`. A stack ends with its
+two streams side by side, so the width doubles at every stage through the concatenation; the
+transition keeps that width, doubles the heads and halves the map (query stride 2, max-pooled
+shortcut). Reversible blocks must keep the shape of their input, so they pool only keys and
+values. The kv stride and the window halve at every stage; the last ``global_stages`` stages
+attend globally.
+
+Inside a stack the tokens are ``(B, H*W, C)`` and the map size reaches F and G as the stack
+keyword ``hw=(H, W)``; outside, the model keeps channels-last maps ``(B, H, W, C)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, trunc_normal_
+
+from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine import set_engine as _set_engine
+from pareprop.layers import PatchEmbed, PoolingAttention, check_image, to_2tuple_int
+from pareprop.layers._config import make_config
+from pareprop.models._registry import register_model
+
+__all__ = [
+    "MViTConfig",
+    "RevMViT",
+    "RevMViTBlock",
+    "MViTTransitionBlock",
+    "MViTStage",
+    "MVIT_CONFIGS",
+]
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+@dataclass(frozen=True)
+class MViTConfig:
+    """Everything that defines a Rev-MViTv2; named variants are rows of :data:`MVIT_CONFIGS`."""
+
+    img_size: Union[int, Tuple[int, int]] = 224
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 96
+    depth: int = 16
+    num_heads: int = 1
+    last_block_indexes: Tuple[int, ...] = (0, 2, 13, 15)
+    patch_kernel: int = 7
+    patch_stride: int = 4
+    patch_padding: int = 3
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    pool_kernel: int = 3
+    kv_stride: int = 4  # of the first stage; halves every stage, not below 1
+    window_size: int = 56  # of the first stage, in tokens; halves every stage; 0: global
+    global_stages: int = 2  # the last stages attend globally
+    use_rel_pos: bool = True
+    residual_pooling: bool = True
+    # > 0: a residual MLP (hidden ratio) fuses the two streams at the start of each transition,
+    # as the Rev-MViT reference's "concat_linear" pre-Q fusion; 0 (SPEC section 4): none.
+    fusion_mlp_ratio: float = 0.0
+    drop_rate: float = 0.0  # dropout before the classifier
+    drop_path_rate: float = 0.0
+    engine: str = "reversible"
+    mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
+
+
+@dataclass(frozen=True)
+class _StagePlan:
+    """Derived layout of one stage (from the config and the expected input size)."""
+
+    index: int
+    transition: int | None  # block index of the stage-transition block, if any
+    reversible: List[int]  # block indexes of the stage's reversible blocks
+    in_width: int  # width entering the stage
+    width: int  # width of the stage's blocks (the transition's in and out width)
+    num_heads: int
+    kv_stride: int
+    window: int  # in tokens of the stage's map; 0 for global attention
+    in_size: Tuple[int, int]  # map entering the stage
+    size: Tuple[int, int]  # map inside the stage
+
+
+def _plan(cfg: MViTConfig, grid: Tuple[int, int]) -> List[_StagePlan]:
+    ends = set(cfg.last_block_indexes)
+    groups: List[Tuple[int | None, List[int]]] = [(None, [])]
+    for i in range(cfg.depth):
+        if i - 1 in ends:
+            groups.append((i, []))
+        else:
+            groups[-1][1].append(i)
+    plans, width, size = [], cfg.embed_dim, grid
+    for s, (transition, reversible) in enumerate(groups):
+        in_size = size
+        if transition is not None:
+            size = (math.ceil(size[0] / 2), math.ceil(size[1] / 2))
+        global_attn = s >= len(groups) - cfg.global_stages
+        window = 0 if global_attn else cfg.window_size // 2**s
+        plans.append(
+            _StagePlan(
+                index=s,
+                transition=transition,
+                reversible=reversible,
+                in_width=width,
+                width=width,
+                num_heads=cfg.num_heads * 2**s,
+                kv_stride=max(cfg.kv_stride // 2**s, 1),
+                window=window,
+                in_size=in_size,
+                size=size,
+            )
+        )
+        if reversible:
+            width *= 2  # the two streams side by side
+    return plans
+
+
+def _check_config(cfg: MViTConfig) -> None:
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
+    if cfg.depth < 1:
+        raise ValueError(f"expected depth >= 1, got {cfg.depth}")
+    ends = cfg.last_block_indexes
+    if list(ends) != sorted(set(ends)) or any(not 0 <= i < cfg.depth for i in ends):
+        raise ValueError(
+            f"expected last_block_indexes increasing and within range(depth={cfg.depth}), "
+            f"got {ends}"
+        )
+    if cfg.num_classes < 0:
+        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+
+
+class RevMViTBlock(ReversibleBlock):
+    """A reversible MViTv2 block: F = LayerNorm + pooling attention, G = LayerNorm + MLP.
+
+    Keys and values are pooled, queries are not (stride 1), so F keeps its input's shape as a
+    reversible coupling requires. Inputs are token sequences ``(B, H*W, C)`` with
+    ``hw=(H, W)`` passed by the stack.
+
+    Args:
+        dim: width C of each stream.
+        num_heads: attention heads.
+        kv_stride: key/value pooling stride.
+        window: attention window in tokens (0: global).
+        input_size: expected map ``(H, W)`` (sizes the relative position tables).
+        mlp_ratio: MLP hidden width over ``dim``.
+        qkv_bias: bias in the query/key/value projection.
+        pool_kernel: kernel of the pooling convolutions.
+        use_rel_pos: decomposed relative position bias.
+        residual_pooling: add the pooled query back.
+        drop_path: stochastic-depth rate of both branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kv_stride: int,
+        window: int,
+        input_size: Tuple[int, int],
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        pool_kernel: int = 3,
+        use_rel_pos: bool = True,
+        residual_pooling: bool = True,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = PoolingAttention(
+            dim,
+            dim,
+            num_heads,
+            qkv_bias=qkv_bias,
+            pool_kernel=pool_kernel,
+            stride_q=1,
+            stride_kv=kv_stride,
+            window_size=window,
+            use_rel_pos=use_rel_pos,
+            input_size=input_size,
+            residual_pooling=residual_pooling,
+        )
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def f(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        x = self.norm1(x).view(B, hw[0], hw[1], C)  # (B, H, W, C)
+        x = self.attn(x).view(B, N, C)  # (B, H*W, C)
+        return self.drop_path1(x)
+
+    def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class MViTTransitionBlock(nn.Module):
+    """The non-reversible block that opens a stage: pre-norm residual block whose attention
+    pools queries by 2 and whose shortcut is max-pooled to match, ``(B, H, W, C) ->
+    (B, ceil(H/2), ceil(W/2), C)``.
+
+    Args:
+        dim: width in and out (2C of the previous stage's streams).
+        num_heads: attention heads (doubled from the previous stage).
+        kv_stride: key/value pooling stride.
+        window: attention window in tokens of the input map (0: global).
+        input_size: expected input map ``(H, W)``.
+        mlp_ratio, qkv_bias, pool_kernel, use_rel_pos, residual_pooling, drop_path: as in
+            :class:`RevMViTBlock`.
+        fusion_mlp_ratio: hidden ratio of a residual MLP applied to the input first (mixes
+            the two streams); 0 for none.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kv_stride: int,
+        window: int,
+        input_size: Tuple[int, int],
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        pool_kernel: int = 3,
+        use_rel_pos: bool = True,
+        residual_pooling: bool = True,
+        drop_path: float = 0.0,
+        fusion_mlp_ratio: float = 0.0,
+    ):
+        super().__init__()
+        self.fuse: nn.Module | None = None
+        if fusion_mlp_ratio > 0:
+            self.fuse = Mlp(dim, int(dim * fusion_mlp_ratio), act_layer=nn.GELU)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = PoolingAttention(
+            dim,
+            dim,
+            num_heads,
+            qkv_bias=qkv_bias,
+            pool_kernel=pool_kernel,
+            stride_q=2,
+            stride_kv=kv_stride,
+            window_size=window,
+            use_rel_pos=use_rel_pos,
+            input_size=input_size,
+            residual_pooling=residual_pooling,
+        )
+        self.pool_skip = nn.MaxPool2d(3, stride=2, padding=1)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse is not None:
+            x = x + self.fuse(x)
+        a = self.attn(self.norm1(x))  # (B, H', W', C)
+        shortcut = self.pool_skip(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H', W', C)
+        x = shortcut + self.drop_path1(a)
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class MViTStage(nn.Module):
+    """An optional transition block, then an optional reversible stack; ``(B, H, W, C) ->
+    (B, H', W', C')`` with C' = 2C when the stage has reversible blocks."""
+
+    def __init__(self, transition: nn.Module | None, stack: ReversibleStack | None):
+        super().__init__()
+        self.transition = transition
+        self.stack = stack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transition is not None:
+            x = self.transition(x)
+        if self.stack is not None:
+            B, H, W, C = x.shape
+            t = x.reshape(B, H * W, C)  # (B, N, C)
+            y1, y2 = self.stack(t, t, hw=(H, W))
+            x = torch.cat([y1, y2], dim=-1).view(B, H, W, 2 * C)  # (B, H, W, 2C)
+        return x
+
+
+class RevMViT(nn.Module):
+    """Reversible multiscale vision transformer (MViTv2 pooling attention).
+
+    Args:
+        cfg: the configuration; see :class:`MViTConfig`.
+    """
+
+    def __init__(self, cfg: MViTConfig):
+        super().__init__()
+        cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
+        _check_config(cfg)
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans,
+            cfg.embed_dim,
+            cfg.patch_kernel,
+            cfg.patch_stride,
+            cfg.patch_padding,
+            flatten=False,
+        )
+        grid = self.patch_embed.output_size(cfg.img_size)
+        if min(grid) < 1:
+            raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
+        plans = _plan(cfg, grid)
+        self.num_stages = len(plans)
+        # Smallest input whose map still halves at every transition.
+        total_stride = cfg.patch_stride * 2 ** (self.num_stages - 1)
+        self.min_size = (total_stride, total_stride)
+
+        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        common = dict(
+            mlp_ratio=cfg.mlp_ratio,
+            qkv_bias=cfg.qkv_bias,
+            pool_kernel=cfg.pool_kernel,
+            use_rel_pos=cfg.use_rel_pos,
+            residual_pooling=cfg.residual_pooling,
+        )
+        stages, self.feature_info = [], []
+        width = cfg.embed_dim
+        for p in plans:
+            self._check_stage(p)
+            transition = None
+            if p.transition is not None:
+                transition = MViTTransitionBlock(
+                    p.width,
+                    p.num_heads,
+                    p.kv_stride,
+                    2 * p.window,  # the window measured on the input map
+                    p.in_size,
+                    drop_path=dpr[p.transition],
+                    fusion_mlp_ratio=cfg.fusion_mlp_ratio,
+                    **common,
+                )
+            stack = None
+            if p.reversible:
+                blocks = [
+                    RevMViTBlock(
+                        p.width,
+                        p.num_heads,
+                        p.kv_stride,
+                        p.window,
+                        p.size,
+                        drop_path=dpr[i],
+                        **common,
+                    )
+                    for i in p.reversible
+                ]
+                stack = ReversibleStack(blocks, engine=cfg.engine)
+                width = 2 * p.width
+            stages.append(MViTStage(transition, stack))
+            reduction = cfg.patch_stride * 2**p.index
+            self.feature_info.append(
+                {"num_chs": width, "reduction": reduction, "module": f"stages.{p.index}"}
+            )
+        self.stages = nn.ModuleList(stages)
+
+        self.num_classes = cfg.num_classes
+        self.num_features = width
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = self._make_head(cfg.num_classes)
+        H, W = cfg.img_size
+        self.pretrained_cfg: Dict[str, Any] = {
+            "input_size": (cfg.in_chans, H, W),
+            "num_classes": cfg.num_classes,
+            "mean": tuple(cfg.mean),
+            "std": tuple(cfg.std),
+            "crop_pct": 0.9 if H >= 224 else 1.0,
+            "interpolation": "bicubic",
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        }
+        self.default_cfg = self.pretrained_cfg
+        self._init_weights()
+
+    @staticmethod
+    def _check_stage(p: _StagePlan) -> None:
+        if p.width % p.num_heads:
+            raise ValueError(
+                f"stage {p.index}: expected width {p.width} divisible by its {p.num_heads} "
+                "heads (heads double every stage); lower num_heads or raise embed_dim"
+            )
+        w = p.window
+        if w and (w % p.kv_stride or p.transition is not None and (2 * w) % (2 * p.kv_stride)):
+            raise ValueError(
+                f"stage {p.index}: expected a window divisible by the kv stride {p.kv_stride}, "
+                f"got {w}; choose window_size a multiple of kv_stride * 2**stage"
+            )
+
+    def _make_head(self, num_classes: int) -> nn.Module:
+        if num_classes == 0:
+            return nn.Identity()
+        head = nn.Linear(self.num_features, num_classes)
+        trunc_normal_(head.weight, std=0.02)
+        nn.init.zeros_(head.bias)
+        return head
+
+    def _init_weights(self) -> None:
+        for m in self.stages.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # -- timm model interface -------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {n for n, _ in self.named_parameters() if n.endswith(("rel_pos_h", "rel_pos_w"))}
+
+    def set_engine(self, name: str) -> RevMViT:
+        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
+        _set_engine(self, name)
+        return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise NotImplementedError(
+                "Rev-MViTv2 does not checkpoint: use set_engine('reversible') or "
+                "set_engine('pareprop'), which keep no per-block activations in its stacks"
+            )
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
+        self.num_classes = num_classes
+        self.cfg = replace(self.cfg, num_classes=num_classes)
+        self.pretrained_cfg["num_classes"] = num_classes
+        ref = self.norm.weight
+        self.head = self._make_head(num_classes).to(ref.device, ref.dtype)
+
+    def example_inputs(
+        self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
+    ) -> Tuple[torch.Tensor]:
+        """A random batch of the configured image size, for benchmarks and tests."""
+        C, H, W = self.pretrained_cfg["input_size"]
+        return (torch.randn(batch_size, C, H, W, device=device, dtype=dtype),)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` to the last stage's map ``(B, H', W', num_features)``."""
+        check_image(x, self.cfg.in_chans, min_size=self.min_size)
+        x = self.patch_embed(x)  # (B, H, W, C)
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.norm(x.mean(dim=(1, 2)))  # (B, C)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+# fmt: off
+MVIT_CONFIGS: Dict[str, MViTConfig] = {
+    # The MViTv2-T layout (10 blocks).
+    "rev_mvitv2_tiny": MViTConfig(depth=10, last_block_indexes=(0, 2, 7, 9)),
+    # Between T and B (no published counterpart): 12 blocks.
+    "rev_mvitv2_small": MViTConfig(depth=12, last_block_indexes=(0, 2, 9, 11)),
+    # Rev-MViT-B of Mangalam et al. 2022 (39M params, 82.9% ImageNet top-1).
+    "rev_mvitv2_base": MViTConfig(depth=16, last_block_indexes=(0, 2, 13, 15)),
+    # The MViTv2-B layout (24 blocks): stacks of 2, 2, 15 and 2 blocks.
+    "rev_mvitv2_large": MViTConfig(depth=24, last_block_indexes=(1, 4, 20, 23)),
+    # CIFAR setting of SPEC section 4.
+    "rev_mvitv2_tiny_32": MViTConfig(
+        img_size=32, num_classes=10, embed_dim=64, depth=4, num_heads=1,
+        last_block_indexes=(0, 2), patch_kernel=3, patch_stride=2, patch_padding=1,
+        kv_stride=2, window_size=16, mean=CIFAR_MEAN, std=CIFAR_STD,
+    ),
+}
+# fmt: on
+
+
+def _create(name: str, **overrides: Any) -> RevMViT:
+    return RevMViT(make_config(MVIT_CONFIGS[name], **overrides))
+
+
+@register_model
+def rev_mvitv2_tiny(**kwargs: Any) -> RevMViT:
+    return _create("rev_mvitv2_tiny", **kwargs)
+
+
+@register_model
+def rev_mvitv2_small(**kwargs: Any) -> RevMViT:
+    return _create("rev_mvitv2_small", **kwargs)
+
+
+@register_model
+def rev_mvitv2_base(**kwargs: Any) -> RevMViT:
+    return _create("rev_mvitv2_base", **kwargs)
+
+
+@register_model
+def rev_mvitv2_large(**kwargs: Any) -> RevMViT:
+    return _create("rev_mvitv2_large", **kwargs)
+
+
+@register_model
+def rev_mvitv2_tiny_32(**kwargs: Any) -> RevMViT:
+    return _create("rev_mvitv2_tiny_32", **kwargs)

@@ -1,1 +1,273 @@
-"""Placeholder: this model family is being written."""
+"""Rev-ViT: a Vision Transformer whose blocks form one reversible stack.
+
+Mangalam et al., "Reversible Vision Transformers", CVPR 2022; Zhu & Mangalam, "PaReprop: Fast
+Parallelized Reversible Backpropagation", 2023. The blocks are the ViT blocks of Dosovitskiy
+et al. (2021) split into the two halves of a reversible coupling: F is LayerNorm + attention,
+G is LayerNorm + MLP, and Y1 = X1 + F(X2), Y2 = X2 + G(Y1). The stack starts from two copies of
+the patch tokens and ends with the two streams side by side (width 2C), so the head sees
+``num_features = 2 * embed_dim``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, trunc_normal_
+
+from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine import set_engine as _set_engine
+from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
+from pareprop.layers._config import make_config
+from pareprop.models._registry import register_model
+
+__all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS"]
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Everything that defines a Rev-ViT; named variants are rows of :data:`VIT_CONFIGS`."""
+
+    img_size: Union[int, Tuple[int, int]] = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0  # dropout before the classifier
+    attn_drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    engine: str = "reversible"
+    mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
+
+
+def _check_common(cfg: Any) -> None:
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
+    if cfg.embed_dim % cfg.num_heads != 0:
+        raise ValueError(
+            f"expected embed_dim divisible by num_heads, got {cfg.embed_dim} and {cfg.num_heads}"
+        )
+    if cfg.num_classes < 0:
+        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+
+
+class RevViTBlock(ReversibleBlock):
+    """One ViT block as a reversible coupling: F = attention branch, G = MLP branch.
+
+    Args:
+        dim: token width C of each stream.
+        num_heads: attention heads.
+        mlp_ratio: hidden width of the MLP over ``dim``.
+        qkv_bias: bias in the query/key/value projection.
+        attn_drop: dropout on attention weights.
+        proj_drop: dropout after the projections.
+        drop_path: stochastic-depth rate of both branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, proj_drop)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_path1(self.attn(self.norm1(x)))
+
+    def g(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class RevViT(nn.Module):
+    """Reversible Vision Transformer.
+
+    Args:
+        cfg: the configuration; see :class:`ViTConfig`.
+    """
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
+        _check_common(cfg)
+        H, W = cfg.img_size
+        if H % cfg.patch_size or W % cfg.patch_size:
+            raise ValueError(
+                f"expected img_size divisible by patch_size={cfg.patch_size}, got {H}x{W}"
+            )
+        self.cfg = cfg
+        self.num_classes = cfg.num_classes
+        self.num_features = 2 * cfg.embed_dim
+        self.pretrained_cfg: Dict[str, Any] = {
+            "input_size": (cfg.in_chans, H, W),
+            "num_classes": cfg.num_classes,
+            "mean": tuple(cfg.mean),
+            "std": tuple(cfg.std),
+            "crop_pct": 0.9 if H >= 224 else 1.0,
+            "interpolation": "bicubic",
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        }
+        self.default_cfg = self.pretrained_cfg
+
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
+        )
+        self.grid_size = self.patch_embed.output_size((H, W))
+        num_patches = self.grid_size[0] * self.grid_size[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, cfg.embed_dim))
+
+        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        blocks = [
+            RevViTBlock(
+                cfg.embed_dim,
+                cfg.num_heads,
+                cfg.mlp_ratio,
+                cfg.qkv_bias,
+                cfg.attn_drop_rate,
+                cfg.proj_drop_rate,
+                dpr[i],
+            )
+            for i in range(cfg.depth)
+        ]
+        self.stack = ReversibleStack(blocks, engine=cfg.engine)
+        self.fc_norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = self._make_head(cfg.num_classes)
+        self._init_weights()
+
+    def _make_head(self, num_classes: int) -> nn.Module:
+        if num_classes == 0:
+            return nn.Identity()
+        head = nn.Linear(self.num_features, num_classes)
+        trunc_normal_(head.weight, std=0.02)
+        nn.init.zeros_(head.bias)
+        return head
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.pos_embed, std=0.02)
+        for m in self.stack.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # -- timm model interface -------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {"pos_embed"}
+
+    def set_engine(self, name: str) -> RevViT:
+        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
+        _set_engine(self, name)
+        return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise NotImplementedError(
+                "Rev-ViT does not checkpoint: use set_engine('reversible') or "
+                "set_engine('pareprop'), which keep no per-block activations at all"
+            )
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
+        self.num_classes = num_classes
+        self.cfg = replace(self.cfg, num_classes=num_classes)
+        self.pretrained_cfg["num_classes"] = num_classes
+        self.head = self._make_head(num_classes).to(self.pos_embed.device, self.pos_embed.dtype)
+
+    def example_inputs(
+        self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
+    ) -> Tuple[torch.Tensor]:
+        """A random batch of the configured image size, for benchmarks and tests."""
+        C, H, W = self.pretrained_cfg["input_size"]
+        return (torch.randn(batch_size, C, H, W, device=device, dtype=dtype),)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` to the stack's output tokens ``(B, N, 2 * embed_dim)``."""
+        check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
+        x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
+        x1, x2 = self.stack(x, x)
+        return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.fc_norm(x.mean(dim=1))  # (B, 2C)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+# fmt: off
+VIT_CONFIGS: Dict[str, ViTConfig] = {
+    "rev_vit_tiny_patch16_224": ViTConfig(embed_dim=192, depth=12, num_heads=3),
+    "rev_vit_small_patch16_224": ViTConfig(embed_dim=384, depth=12, num_heads=6),
+    "rev_vit_base_patch16_224": ViTConfig(embed_dim=768, depth=12, num_heads=12),
+    "rev_vit_large_patch16_224": ViTConfig(embed_dim=1024, depth=24, num_heads=16),
+    # CIFAR scale (SPEC section 3): 32x32 input, 4x4 patches, 64 tokens.
+    "rev_vit_tiny_patch4_32": ViTConfig(
+        img_size=32, patch_size=4, num_classes=10, embed_dim=192, depth=6, num_heads=3,
+        mean=CIFAR_MEAN, std=CIFAR_STD,
+    ),
+}
+# fmt: on
+
+
+def _create(name: str, **overrides: Any) -> RevViT:
+    return RevViT(make_config(VIT_CONFIGS[name], **overrides))
+
+
+@register_model
+def rev_vit_tiny_patch16_224(**kwargs: Any) -> RevViT:
+    return _create("rev_vit_tiny_patch16_224", **kwargs)
+
+
+@register_model
+def rev_vit_small_patch16_224(**kwargs: Any) -> RevViT:
+    return _create("rev_vit_small_patch16_224", **kwargs)
+
+
+@register_model
+def rev_vit_base_patch16_224(**kwargs: Any) -> RevViT:
+    return _create("rev_vit_base_patch16_224", **kwargs)
+
+
+@register_model
+def rev_vit_large_patch16_224(**kwargs: Any) -> RevViT:
+    return _create("rev_vit_large_patch16_224", **kwargs)
+
+
+@register_model
+def rev_vit_tiny_patch4_32(**kwargs: Any) -> RevViT:
+    return _create("rev_vit_tiny_patch4_32", **kwargs)
