@@ -1,0 +1,206 @@
+"""``pareprop bench``: step time and memory of every engine, against standard models.
+
+With no options it runs a small CPU-sized sweep (a Rev-ViT-S-like stack at depths 4, 12, 24
+with the three engines) that shows the claim in a few minutes; every option overrides one part
+of that sweep. See docs/benchmarks.md.
+
+Examples::
+
+    pareprop bench
+    pareprop bench --models rev_vit_base_patch16_224 vit_base_patch16_224 \\
+        --engines autograd reversible pareprop plain checkpointed \\
+        --batch-sizes 32 64 128 256 --amp bf16 --out runs/bench-vit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, List, Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
+    # Accept both "--models a b" and "--models a,b".
+    if values is None:
+        return None
+    return [v for item in values for v in item.split(",") if v]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pareprop.bench import ALL_ENGINES, AMP_MODES
+
+    p = argparse.ArgumentParser(
+        prog="pareprop bench",
+        description="Measure training-step time and memory of every engine (autograd, "
+        "reversible, pareprop) and of standard timm baselines (plain, checkpointed). "
+        "With no options: a small CPU sweep of a Rev-ViT-S-like stack at depths 4, 12, 24.",
+    )
+    p.add_argument("--models", nargs="+", metavar="NAME",
+                   help="pareprop registry names (rev_vit_small_patch16_224, text_encoder_base, "
+                   "...) and timm names for baselines (vit_base_patch16_224, mvitv2_base, ...)")
+    p.add_argument("--engines", nargs="+", metavar="ENGINE",
+                   help=f"any of {', '.join(ALL_ENGINES)}; each model runs those that apply "
+                   "(plain/checkpointed: models without a reversible stack)")
+    p.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="N")
+    p.add_argument("--depths", nargs="+", type=_positive_int, metavar="N",
+                   help="total number of blocks (staged models change their deepest stage)")
+    p.add_argument("--img-size", type=_positive_int, metavar="PX", help="input side for images")
+    p.add_argument("--seq-len", nargs="+", type=_positive_int, metavar="T",
+                   help="sequence lengths for text models")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--amp", choices=AMP_MODES, help="autocast dtype (default: none)")
+    p.add_argument("--warmup", type=_non_negative_int, help="untimed steps (default 1)")
+    p.add_argument("--iters", type=_positive_int, help="timed steps (default 3)")
+    p.add_argument("--num-classes", type=_positive_int, help="classifier width (default 10)")
+    p.add_argument("--out", default="bench_results", metavar="DIR",
+                   help="where results.json, results.csv and the plots go (default: %(default)s)")
+    p.add_argument("--no-grad-check", action="store_true",
+                   help="skip the gradient comparison against autograd")
+    p.add_argument("--no-activation-bytes", action="store_true",
+                   help="skip the activation_bytes measurement (one extra forward each)")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure every configuration in a fresh subprocess")
+    p.add_argument("--keep-going-after-oom", action="store_true",
+                   help="still try larger batches of a model/engine after an out-of-memory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--drift", action="store_true",
+                   help="reconstruction-drift report per block (needs pareprop.drift_report)")
+    return p
+
+
+def _config(args: argparse.Namespace):
+    from pareprop.bench import default_config
+
+    config = default_config()
+    config.device = None  # the default sweep too runs on the GPU when there is one
+    if args.models is not None:
+        config.models = _split(args.models)
+        # Another model's depth and size are its own unless asked for.
+        config.depths, config.img_size = (None,), None
+    if args.engines is not None:
+        config.engines = _split(args.engines)
+    if args.batch_sizes is not None:
+        config.batch_sizes = args.batch_sizes
+    if args.depths is not None:
+        config.depths = args.depths
+    if args.img_size is not None:
+        config.img_size = args.img_size
+    if args.seq_len is not None:
+        config.seq_lens = args.seq_len
+    for name in ("device", "amp", "warmup", "iters", "num_classes"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    config.grad_check = not args.no_grad_check
+    config.activation = not args.no_activation_bytes
+    config.isolate = True if args.isolate else None
+    config.stop_after_oom = not args.keep_going_after_oom
+    config.progress = not args.quiet
+    return config
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:  # argparse already printed the message
+        return int(exit_.code or 0)
+
+    from pareprop import bench
+
+    config = _config(args)
+    try:
+        config.validate()
+        if args.drift:
+            return _drift(config, args.out)
+        bench._jobs(config)  # raises for a model that none of the engines applies to
+    except ValueError as err:
+        print(f"pareprop bench: error: {err}", file=sys.stderr)
+        return 2
+
+    device = config.resolved_device()
+    print(f"pareprop bench: {len(config.models)} model(s), engines {', '.join(config.engines)}, "
+          f"batch sizes {list(config.batch_sizes)}, depths {list(config.depths)}, "
+          f"device {device}, amp {config.amp}, warmup {config.warmup}, iters {config.iters}",
+          flush=True)
+    records = bench.run_bench(config)
+    paths = bench.write_results(records, args.out)
+    print()
+    print(bench.format_table(records))
+    ratios = bench.format_ratios(records)
+    if ratios:
+        print("\nratios in this run (time: lower is faster; memory: how many times less)")
+        print(ratios)
+    print(f"\nwrote {paths['json']}, {paths['csv']} and {len(paths['plots'])} plot(s) in "
+          f"{args.out}")
+    failed = [r for r in records if r["status"] not in ("ok", "oom")]
+    if failed:
+        print(f"pareprop bench: {len(failed)} configuration(s) failed; see the status column",
+              file=sys.stderr)
+    return 1 if failed and len(failed) == len(records) else 0
+
+
+# NOTE [ --drift hook ]
+#     Issue 8 adds ``pareprop.drift_report(model, inputs, ...)``: per reversible block, the
+#     relative error of rebuilt inputs and of parameter gradients under autocast. Until it
+#     exists, ``--drift`` says so and exits non-zero. When it lands, adapt the call below (the
+#     keyword arguments are a guess) and, if wanted, fold the figures into results/plots.
+def _drift(config: Any, out_dir: str) -> int:
+    import pareprop
+
+    drift_report = getattr(pareprop, "drift_report", None)
+    if drift_report is None:
+        print("pareprop bench: error: --drift needs pareprop.drift_report (issue 8), which this "
+              "install does not provide yet", file=sys.stderr)
+        return 3
+    import torch
+
+    from pareprop import bench
+
+    device = torch.device(config.resolved_device())
+    reports = []
+    for name in config.models:
+        info = bench._model_info(name)
+        if not info.reversible:
+            continue
+        for depth in config.depths:
+            job = bench._jobs(config)[0]
+            job.model, job.depth, job.engine = name, depth, "reversible"
+            torch.manual_seed(config.seed)
+            model = bench._build(job, info).to(device).train()
+            inputs = bench._make_inputs(model, job, info, device, min(config.batch_sizes))
+            report = drift_report(model, inputs)  # HOOK [drift]: adapt to the final signature
+            reports.append({"model": name, "depth": depth, "amp": config.amp, "report": report})
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "drift.json")
+    with open(path, "w") as fh:
+        json.dump(reports, fh, indent=1, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
