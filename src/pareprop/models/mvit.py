@@ -324,7 +324,8 @@ class RevMViT(nn.Module):
         total_stride = cfg.patch_stride * 2 ** (self.num_stages - 1)
         self.min_size = (total_stride, total_stride)
 
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        # Stochastic depth grows linearly with depth; plain floats so meta-device builds work.
+        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
         common = dict(
             mlp_ratio=cfg.mlp_ratio,
             qkv_bias=cfg.qkv_bias,

@@ -139,7 +139,8 @@ class RevViT(nn.Module):
         num_patches = self.grid_size[0] * self.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, cfg.embed_dim))
 
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        # Stochastic depth grows linearly with depth; plain floats so meta-device builds work.
+        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
         blocks = [
             RevViTBlock(
                 cfg.embed_dim,
