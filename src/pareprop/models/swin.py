@@ -273,21 +273,25 @@ class RevSwinStage(nn.Module):
             engine=engine,
         )
         self.fuse = StreamFusion(dim) if fuse else None
+        # Not state: masks depend only on the map size, the window and the shift.
+        self._mask_cache: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
+
+    def _masks(self, H: int, W: int, device: torch.device) -> Dict[str, torch.Tensor]:
+        """Window masks for an ``H x W`` map, built once per size and device."""
+        key = (H, W, str(device))
+        if key not in self._mask_cache:
+            masks = {"mask": window_mask(H, W, self.window, 0, device)}
+            if self.shift > 0:
+                masks["shift_mask"] = window_mask(H, W, self.window, self.shift, device)
+            self._mask_cache[key] = {k: v for k, v in masks.items() if v is not None}
+        return self._mask_cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.downsample is not None:
             x = self.downsample(x)
-        H, W = x.shape[1], x.shape[2]
-        # Built here, once per stage, and handed to every block as a stack keyword: the engine
-        # replays F with exactly these masks when it recomputes in backward.
-        masks = {
-            "mask": window_mask(H, W, self.window, 0, x.device),
-            "shift_mask": window_mask(H, W, self.window, self.shift, x.device)
-            if self.shift > 0
-            else None,
-        }
-        masks = {k: v for k, v in masks.items() if v is not None}
-        x1, x2 = self.blocks(x, x, **masks)
+        # Handed to every block as stack keywords: the engine replays F with exactly these
+        # masks when it recomputes in backward.
+        x1, x2 = self.blocks(x, x, **self._masks(x.shape[1], x.shape[2], x.device))
         x = torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
         if self.fuse is not None:
             x = self.fuse(x)  # (B, H, W, C)
