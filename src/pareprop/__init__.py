@@ -7,6 +7,7 @@ from pareprop.engine import (
     debug_reconstruction,
     set_engine,
 )
+from pareprop.drift import DriftReport, drift_report
 from pareprop.memory import activation_bytes
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 
@@ -19,6 +20,8 @@ __all__ = [
     "set_engine",
     "debug_reconstruction",
     "activation_bytes",
+    "drift_report",
+    "DriftReport",
     "create_model",
     "is_model",
     "list_models",

@@ -550,6 +550,7 @@ class ReversibleStack(nn.Module):
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
+        x1, x2 = _full_precision_streams(x1, x2)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             for block in self.blocks:
                 x1, x2 = _couple(block, x1, x2, kwargs)
@@ -613,6 +614,18 @@ def _check_streams(x1: Tensor, x2: Tensor) -> None:
             "the two streams must share dtype and device, got "
             f"{x1.dtype} on {x1.device} and {x2.dtype} on {x2.device}"
         )
+
+
+def _full_precision_streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
+    # NOTE [ Streams in float32 under autocast ]
+    # Inversion subtracts F and G from the streams; rounding the streams themselves to 8 bits
+    # of mantissa would lose far more than F and G's own low precision. So under autocast the
+    # streams are float32 (the sums X + F(X) promote to it) while F and G compute in the
+    # autocast dtype. An input that arrives in low precision (from a conv or linear under
+    # autocast) is widened here.
+    if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_state(x1.device.type)[0]:
+        return x1.float(), x2.float()
+    return x1, x2
 
 
 def _check_constants(kwargs: Dict[str, Any]) -> None:

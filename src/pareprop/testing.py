@@ -50,7 +50,19 @@ def _engine_of(model: nn.Module) -> Optional[str]:
     return None
 
 
+def _projection_loss(outputs: List[Tensor], seed: int) -> Tensor:
+    """A fixed random projection, so that every output element gets its own gradient. It is
+    computed in at least float32, so low-precision outputs are compared on the same loss."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    total = 0.0
+    for o in outputs:
+        o = o if o.dtype == torch.float64 else o.float()
+        total = total + (o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
+    return total
+
+
 def _one_step(model, inputs, engine, seed, loss_fn, kwargs):
+    """One seeded forward and backward with ``engine``: (outputs, input grads, param grads)."""
     set_engine(model, engine)
     model.zero_grad(set_to_none=True)
     leaves = [
@@ -61,15 +73,7 @@ def _one_step(model, inputs, engine, seed, loss_fn, kwargs):
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         outputs = _flatten(model(*leaves, **kwargs))
-        if loss_fn is None:
-            # A fixed random projection, so that every output element gets its own gradient.
-            gen = torch.Generator().manual_seed(seed + 1)
-            loss = sum(
-                (o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
-                for o in outputs
-            )
-        else:
-            loss = loss_fn(outputs)
+        loss = _projection_loss(outputs, seed) if loss_fn is None else loss_fn(outputs)
         loss.backward()
     input_grads = [x.grad for x in leaves if isinstance(x, Tensor) and x.requires_grad]
     param_grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
