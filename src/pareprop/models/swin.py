@@ -74,6 +74,8 @@ class SwinConfig:
         self.img_size = to_2tuple(
             tuple(self.img_size) if isinstance(self.img_size, list) else self.img_size
         )
+        if len(self.img_size) != 2:
+            raise ValueError(f"expected img_size as an int or (H, W), got {self.img_size}")
         self.img_size = tuple(int(s) for s in self.img_size)
         self.depths = tuple(self.depths)
         self.num_heads = tuple(self.num_heads)
