@@ -253,6 +253,24 @@ def test_drift_without_drift_report_says_so(tmp_path, capsys, monkeypatch):
     assert rc != 0 and "pareprop.drift_report" in stderr
 
 
+def test_drift_writes_per_depth_rows_and_a_plot(tmp_path, capsys):
+    import pareprop
+
+    if getattr(pareprop, "drift_report", None) is None:
+        pytest.skip("pareprop.drift_report is not in this checkout")
+    rc, stdout, _ = _run(["--models", "bench_test_tiny_rev", "--drift", "--device", "cpu",
+                          "--depths", "1", "3", "--batch-sizes", "2", "--out", str(tmp_path)],
+                         capsys)
+    assert rc == 0, stdout
+    rows = json.loads((tmp_path / "drift.json").read_text())
+    assert [r["depth"] for r in rows] == [1, 3]
+    for r in rows:
+        assert set(r["grad_error"]) == {"autograd", "reversible", "pareprop"}
+        assert all(math.isfinite(v) and v >= 0 for v in r["grad_error"].values())
+        assert len(r["blocks"]) == r["depth"]
+    assert (tmp_path / "drift_bench_test_tiny_rev.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # --- pieces ----------------------------------------------------------------------------------
 
 
@@ -289,6 +307,14 @@ def test_depth_overrides_for_staged_configs():
     assert over == {"depth": 24, "last_block_indexes": (0, 2, 21, 23)}
     with pytest.raises(ValueError, match="expected a depth of at least 7"):
         bench._depth_overrides(Staged(), 6)
+    @dataclass
+    class OpenEnded:  # blocks after the last index form the last stage
+        depth: int = 4
+        last_block_indexes: tuple = (0, 2)
+
+    assert bench._depth_overrides(OpenEnded(), 8) == {"depth": 8, "last_block_indexes": (0, 6)}
+    with pytest.raises(ValueError, match="expected a depth of at least 3"):
+        bench._depth_overrides(OpenEnded(), 2)
     assert bench._depth_overrides(TinyCfg(), 5) == {"depth": 5}
     assert bench._depth_overrides(TinyCfg(), None) == {}
 
@@ -297,12 +323,31 @@ def test_ratio_summary_uses_the_reference_engine():
     def rec(engine, ms, act):
         r = dict.fromkeys(bench.RECORD_FIELDS)
         r.update(model="m", engine=engine, batch_size=4, depth=2, status="ok", step_ms_median=ms,
-                 samples_per_s=4e3 / ms, activation_bytes=act, peak_mem_bytes=act * 2)
+                 step_ms_min=ms / 2, samples_per_s=4e3 / ms, activation_bytes=act,
+                 peak_mem_bytes=act * 2)
         return r
 
     rows = {s["engine"]: s for s in bench.ratio_summary(
         [rec("autograd", 10.0, 800), rec("reversible", 13.0, 100), rec("pareprop", 12.0, 100)])}
     assert rows["reversible"]["time_ratio"] == pytest.approx(1.3)
+    assert rows["reversible"]["time_ratio_min"] == pytest.approx(1.3)
     assert rows["reversible"]["act_ratio"] == pytest.approx(8.0)
     assert rows["pareprop"]["speedup_vs_reversible"] == pytest.approx(13.0 / 12.0)
     assert not math.isnan(rows["pareprop"]["peak_ratio"])
+
+
+def test_format_summary_headline_ratios():
+    def rec(model, engine, bs, status, sps=None):
+        r = dict.fromkeys(bench.RECORD_FIELDS)
+        r.update(model=model, engine=engine, batch_size=bs, status=status, samples_per_s=sps,
+                 peak_mem_bytes=2**30 if status == "ok" else None)
+        return r
+
+    records = [
+        rec("rev", "reversible", 32, "ok", 100.0), rec("rev", "reversible", 64, "ok", 110.0),
+        rec("rev", "pareprop", 32, "ok", 120.0), rec("rev", "pareprop", 64, "ok", 132.0),
+        rec("base", "plain", 32, "ok", 200.0), rec("base", "plain", 64, "oom"),
+    ]
+    text = bench.format_summary(records, {"rev": "base"})
+    assert "PaReprop/Reprop best throughput 1.20x" in text
+    assert "largest batch 64 vs base plain 32 (2.0x)" in text

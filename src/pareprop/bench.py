@@ -72,6 +72,7 @@ __all__ = [
     "write_results",
     "format_table",
     "format_ratios",
+    "format_summary",
     "ratio_summary",
     "default_config",
 ]
@@ -134,6 +135,13 @@ class BenchConfig:
         lr: AdamW learning rate (the value does not change the cost).
         seed: seed of parameters, inputs and the gradient check.
         progress: show a tqdm progress bar over configurations.
+        threads: ``torch.set_num_threads`` during each measurement; ``None`` keeps torch's.
+            One thread gives steadier CPU timings on a shared machine, where OpenMP threads
+            that wait for each other can make two threads slower than one.
+        time_budget_s: start no configuration after this many seconds; the rest are recorded
+            with status ``skipped: ...``.
+        model_overrides: extra config overrides for every model (pareprop config fields or
+            timm keyword arguments).
     """
 
     models: Sequence[str] = ("rev_vit_small_patch16_224",)
@@ -154,6 +162,8 @@ class BenchConfig:
     lr: float = 1e-4
     seed: int = 0
     progress: bool = True
+    threads: int | None = None
+    time_budget_s: float | None = None
     model_overrides: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -198,9 +208,9 @@ def default_config() -> BenchConfig:
     """The small CPU sweep behind ``pareprop bench`` with no options.
 
     A Rev-ViT-S-like stack (dim 384, 6 heads) at depths 4, 12 and 24 on 64x64 inputs (16 patch
-    tokens) at batch 16, with the three engines. It shows the claim in a few minutes on two
-    cores: reversible costs about one extra forward, and its activation memory does not grow
-    with depth.
+    tokens) at batch 16, with the three engines, on one CPU thread (steadier on a shared
+    machine). It shows the claim in a few minutes on two cores: reversible costs about one
+    extra forward, and its activation memory does not grow with depth.
     """
     return BenchConfig(
         models=("rev_vit_small_patch16_224",),
@@ -211,6 +221,7 @@ def default_config() -> BenchConfig:
         device="cpu",
         warmup=1,
         iters=3,
+        threads=1,
     )
 
 
@@ -235,6 +246,7 @@ def _model_source(name: str) -> str:
 class _ModelInfo:
     source: str  # "pareprop" or "timm"
     reversible: bool
+    text: bool  # takes (input_ids, attention_mask); its input_size is (seq_len,)
     cfg: Any  # the pareprop config dataclass, or None
     input_size: Tuple[int, ...] | None
 
@@ -262,7 +274,8 @@ def _model_info(name: str) -> _ModelInfo:
     reversible = any(isinstance(m, ReversibleStack) for m in model.modules())
     pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
     input_size = pcfg.get("input_size")
-    info = _ModelInfo(source, reversible, getattr(model, "cfg", None), input_size)
+    text = input_size is not None and len(input_size) == 1
+    info = _ModelInfo(source, reversible, text, getattr(model, "cfg", None), input_size)
     _INFO_CACHE[name] = info
     del model
     return info
@@ -301,16 +314,21 @@ def _depth_overrides(cfg: Any, depth: int | None) -> Dict[str, Any]:
         return {"depths": tuple(depths)}
     if "last_block_indexes" in names and "depth" in names:  # MViT-like: stage ends by index
         ends = list(cfg.last_block_indexes)
+        closed = ends[-1] == cfg.depth - 1  # else blocks after the last index form a stage
+        if not closed:
+            ends.append(cfg.depth - 1)
         lengths = [ends[0] + 1] + [b - a for a, b in zip(ends, ends[1:])]
         deepest = max(range(len(lengths)), key=lambda i: lengths[i])
+        shallowest_total = cfg.depth - lengths[deepest] + 1
         lengths[deepest] += depth - cfg.depth
-        if lengths[deepest] < 1 or sum(lengths) != depth:
+        if lengths[deepest] < 1:
             raise ValueError(
-                f"expected a depth that keeps every stage of last_block_indexes "
-                f"{tuple(cfg.last_block_indexes)} non-empty, got {depth}"
+                f"expected a depth of at least {shallowest_total}"
+                f" for last_block_indexes {tuple(cfg.last_block_indexes)} (depth {cfg.depth}), "
+                f"got {depth}"
             )
         ends = [sum(lengths[: i + 1]) - 1 for i in range(len(lengths))]
-        return {"depth": depth, "last_block_indexes": tuple(ends)}
+        return {"depth": depth, "last_block_indexes": tuple(ends if closed else ends[:-1])}
     if "depth" in names:
         return {"depth": depth}
     raise ValueError(f"model config {type(cfg).__name__} has no depth field; omit --depths")
@@ -407,6 +425,7 @@ class _Job:
     activation: bool
     lr: float
     seed: int
+    threads: int | None
     model_overrides: Dict[str, Any]
 
 
@@ -481,7 +500,7 @@ def measure(job: _Job) -> Dict[str, Any]:
     device = torch.device(job.device)
     record = _empty_record(job)
     result: Dict[str, Any] = {}
-    with _frozen_gc():
+    with _frozen_gc(), _num_threads(job.threads):
         _free_memory(device)
         try:
             _measure_into(job, device, result)
@@ -493,6 +512,17 @@ def measure(job: _Job) -> Dict[str, Any]:
         # Tensors of this configuration (held by its frames, or an exception's) go now.
         _free_memory(device)
     return record
+
+
+@contextlib.contextmanager
+def _num_threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -605,7 +635,12 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     optimizer.state.clear()  # AdamW's moments are not needed for the checks below
 
     if job.activation:
-        out["activation_bytes"] = _activation_bytes(model, inputs, device, job.amp)
+        try:
+            out["activation_bytes"] = _activation_bytes(model, inputs, device, job.amp)
+        except Exception as err:  # noqa: BLE001 - the step ran; only this extra forward failed
+            if not _is_oom(err):
+                raise
+            out["activation_bytes"] = None  # the step fitted, its graph plus a second did not
     if job.grad_check and job.engine in REVERSIBLE_ENGINES:
         small = tuple(t[: min(2, job.batch_size)] for t in inputs)
         out["grad_rel_err"] = grad_rel_err(model, small, job.engine, seed=job.seed)
@@ -741,9 +776,11 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                 f"expected an engine that applies to {name!r} ({', '.join(valid)}), "
                 f"got {', '.join(config.engines)}"
             )
+        # Sequence lengths only multiply the configurations of text models.
+        seq_lens = config.seq_lens if _model_info(name).text else (None,)
         for depth in config.depths:
             for engine in engines:
-                for seq_len in config.seq_lens:
+                for seq_len in seq_lens:
                     for bs in sorted(config.batch_sizes):
                         jobs.append(
                             _Job(
@@ -752,7 +789,7 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                                 img_size=config.img_size, warmup=config.warmup,
                                 iters=config.iters, num_classes=config.num_classes,
                                 grad_check=config.grad_check, activation=config.activation,
-                                lr=config.lr, seed=config.seed,
+                                lr=config.lr, seed=config.seed, threads=config.threads,
                                 model_overrides=dict(config.model_overrides),
                             )
                         )
@@ -780,28 +817,36 @@ def run_bench(
     checked: Dict[Tuple, float | None] = {}
     failed: set = set()
     records = []
+    started = time.monotonic()
     bar = _progress(len(jobs), config.progress)
-    for job in jobs:
-        key = (job.model, job.engine, job.depth, job.seq_len)
-        bar.set_description(f"{job.model} {job.engine} d={job.depth} bs={job.batch_size}")
-        if key in failed:
+    try:
+        for job in jobs:
+            key = (job.model, job.engine, job.depth, job.seq_len)
+            bar.set_description(f"{job.model} {job.engine} d={job.depth} bs={job.batch_size}")
             record = _empty_record(job)
-            record["status"] = "oom"  # a smaller batch already ran out of memory
-            record["grad_rel_err"] = None
-        else:
-            job.grad_check = config.grad_check and key not in checked
-            record = _measure_subprocess(job) if isolate else measure(job)
-            if record["status"] == "oom" and config.stop_after_oom:
-                failed.add(key)
-            if job.grad_check and record["status"] == "ok":
-                checked[key] = record["grad_rel_err"]
-            elif key in checked:
-                record["grad_rel_err"] = checked[key]
-        records.append(record)
-        if on_record is not None:
-            on_record(record)
-        bar.update(1)
-    bar.close()
+            if key in failed:
+                record["status"] = "oom"  # not run: a smaller batch already ran out of memory
+            elif config.time_budget_s and time.monotonic() - started > config.time_budget_s:
+                record["status"] = f"skipped: time budget of {config.time_budget_s:g} s spent"
+            else:
+                job.grad_check = config.grad_check and key not in checked
+                record = _measure_subprocess(job) if isolate else measure(job)
+                if record["status"] == "oom" and config.stop_after_oom:
+                    failed.add(key)
+                if job.grad_check and record["status"] == "ok":
+                    checked[key] = record["grad_rel_err"]
+                elif key in checked and record["status"] == "ok":
+                    record["grad_rel_err"] = checked[key]
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+            bar.update(1)
+    except KeyboardInterrupt:
+        # Interrupted (Ctrl-C, or SIGTERM from `timeout` via the CLI): keep what was measured.
+        if config.progress:
+            print("\ninterrupted: returning the configurations measured so far", file=sys.stderr)
+    finally:
+        bar.close()
     return records
 
 
@@ -912,7 +957,8 @@ def ratio_summary(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per model, depth, seq_len and batch size: every engine's ratios to its reference.
 
     The reference is ``autograd`` for reversible models and ``plain`` for baselines. Fields:
-    model, depth, batch_size, seq_len, engine, time_ratio (step time / reference's),
+    model, depth, batch_size, seq_len, engine, time_ratio (median step time / reference's),
+    time_ratio_min (the same with the fastest steps, steadier on a busy machine),
     act_ratio (reference's activation bytes / this engine's), peak_ratio (same for peak
     memory), and for ``pareprop`` the throughput ratio to ``reversible`` (speedup_vs_reversible).
     """
@@ -929,6 +975,7 @@ def ratio_summary(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         row = dict(model=model, depth=depth, seq_len=seq_len, batch_size=bs, engine=engine,
                    reference=ref_engine,
                    time_ratio=r["step_ms_median"] / ref["step_ms_median"],
+                   time_ratio_min=r["step_ms_min"] / ref["step_ms_min"],
                    act_ratio=_div(ref["activation_bytes"], r["activation_bytes"]),
                    peak_ratio=_div(ref["peak_mem_bytes"], r["peak_mem_bytes"]),
                    speedup_vs_reversible=None)
@@ -947,12 +994,13 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def format_ratios(records: Sequence[Dict[str, Any]]) -> str:
     """The ratio summary as a table, plus the largest batch that ran per model/engine/depth."""
-    rows = [("model", "depth", "bs", "seq", "engine", "time / ref", "ref act / act",
+    rows = [("model", "depth", "bs", "seq", "engine", "time / ref", "(min)", "ref act / act",
              "ref peak / peak", "vs reversible")]
     for s in ratio_summary(records):
         rows.append((
             s["model"], _num(s["depth"], "d"), str(s["batch_size"]), _num(s["seq_len"], "d"),
             f"{s['engine']} / {s['reference']}", f"{s['time_ratio']:.2f}",
+            f"{s['time_ratio_min']:.2f}",
             _num(s["act_ratio"], ".1f"), _num(s["peak_ratio"], ".2f"),
             _num(s["speedup_vs_reversible"], ".2f"),
         ))
@@ -969,3 +1017,69 @@ def format_ratios(records: Sequence[Dict[str, Any]]) -> str:
         fit += [(m, e, _num(d, "d"), _num(s, "d"), str(b)) for (m, e, d, s), b in largest.items()]
         parts.append(_align(fit))
     return "\n\n".join(parts)
+
+
+def format_summary(
+    records: Sequence[Dict[str, Any]], baselines: Dict[str, str] | None = None
+) -> str:
+    """Best throughput and largest batch per model and engine, and the headline ratios.
+
+    Args:
+        records: records of a batch-size sweep.
+        baselines: ``{reversible model: its standard baseline}``, e.g.
+            ``{"rev_vit_base_patch16_224": "vit_base_patch16_224"}``, for the largest-batch
+            ratio. A largest batch that never ran out of memory is a lower bound (``>=``).
+
+    Returns:
+        A table, then one line per reversible model with PaReprop/Reprop throughput at each
+        one's best batch and the largest batch against the baseline's.
+    """
+    best: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    largest: Dict[Tuple[str, str], int] = {}
+    hit_oom: set = set()
+    for r in records:
+        key = (r["model"], r["engine"])
+        if r["status"] == "oom":
+            hit_oom.add(key)
+        if r["status"] != "ok":
+            continue
+        largest[key] = max(largest.get(key, 0), r["batch_size"])
+        if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+            best[key] = r
+
+    def bound(key: Tuple[str, str]) -> str:
+        if key not in largest:
+            return "none"
+        return ("" if key in hit_oom else ">=") + str(largest[key])
+
+    rows = [("model", "engine", "best samples/s", "at batch", "largest batch", "peak GiB there")]
+    for key in dict.fromkeys((r["model"], r["engine"]) for r in records):
+        b = best.get(key)
+        at_largest = [r for r in records if (r["model"], r["engine"]) == key
+                      and r["status"] == "ok" and r["batch_size"] == largest.get(key)]
+        peak = at_largest[0]["peak_mem_bytes"] if at_largest else None
+        rows.append((key[0], key[1], _num(b and b["samples_per_s"], ".1f"),
+                     str(b["batch_size"]) if b else "-", bound(key),
+                     "-" if peak is None else f"{peak / 2**30:.1f}"))
+    lines = [_align(rows), ""]
+    for model in dict.fromkeys(r["model"] for r in records):
+        rev, par = best.get((model, "reversible")), best.get((model, "pareprop"))
+        if rev is None and par is None:
+            continue
+        parts = [model + ":"]
+        if rev is not None and par is not None:
+            ratio = par["samples_per_s"] / rev["samples_per_s"]
+            parts.append(f"PaReprop/Reprop best throughput {ratio:.2f}x"
+                         f" (bs {par['batch_size']} vs {rev['batch_size']})")
+        base = (baselines or {}).get(model)
+        ours = max((largest.get((model, e), 0) for e in REVERSIBLE_ENGINES), default=0)
+        if base is not None and ours:
+            theirs = largest.get((base, "plain"))
+            if theirs:
+                sign = "" if (base, "plain") in hit_oom else "<="
+                parts.append(f"largest batch {ours} vs {base} plain {theirs} "
+                             f"({sign}{ours / theirs:.1f}x)")
+            elif (base, "plain") in hit_oom:
+                parts.append(f"largest batch {ours}; {base} plain fitted no batch of the sweep")
+        lines.append(" ".join(parts))
+    return "\n".join(lines).rstrip()

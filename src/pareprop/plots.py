@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-__all__ = ["plot_results", "plot_throughput", "plot_memory"]
+__all__ = ["plot_results", "plot_throughput", "plot_memory", "plot_drift"]
 
 _MIB = 2**20
 _MAX_PANELS = 4
@@ -131,4 +131,35 @@ def plot_results(records: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
         paths.append(plot_throughput(mine, os.path.join(out_dir, f"throughput_{_safe(model)}.png"),
                                      title))
         paths.append(plot_memory(mine, os.path.join(out_dir, f"memory_{_safe(model)}.png"), title))
+    return paths
+
+
+def plot_drift(rows: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
+    """Gradient error under autocast against depth, one line per engine, one figure per model.
+
+    Args:
+        rows: ``pareprop bench --drift`` rows (a ``DriftReport.to_dict()`` plus model, depth).
+        out_dir: where ``drift_<model>.png`` goes.
+
+    Returns:
+        The paths written.
+    """
+    paths = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["depth"])
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for engine in dict.fromkeys(e for r in mine for e in r["grad_error"]):
+            pts = [(r["depth"], r["grad_error"][engine]) for r in mine if engine in r["grad_error"]]
+            ax.plot(*zip(*pts), marker="o", label=engine)
+        ax.set_yscale("log")
+        ax.set_xlabel("depth (blocks)")
+        ax.set_ylabel(f"gradient error vs {mine[0]['reference_dtype']}")
+        ax.set_title(f"{model}, autocast {mine[0]['amp_dtype']}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"drift_{_safe(model)}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
     return paths

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any, List, Optional, Sequence
 
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=_positive_int, help="classifier width (default 10)")
     p.add_argument("--out", default="bench_results", metavar="DIR",
                    help="where results.json, results.csv and the plots go (default: %(default)s)")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="CPU threads per measurement (default: torch's; the default sweep: 1)")
+    p.add_argument("--time-budget", type=float, metavar="S",
+                   help="start no configuration after S seconds (the rest: status skipped)")
     p.add_argument("--no-grad-check", action="store_true",
                    help="skip the gradient comparison against autograd")
     p.add_argument("--no-activation-bytes", action="store_true",
@@ -111,7 +116,9 @@ def _config(args: argparse.Namespace):
         config.img_size = args.img_size
     if args.seq_len is not None:
         config.seq_lens = args.seq_len
-    for name in ("device", "amp", "warmup", "iters", "num_classes"):
+    if args.time_budget is not None:
+        config.time_budget_s = args.time_budget
+    for name in ("device", "amp", "warmup", "iters", "num_classes", "threads"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     config.grad_check = not args.no_grad_check
@@ -120,6 +127,10 @@ def _config(args: argparse.Namespace):
     config.stop_after_oom = not args.keep_going_after_oom
     config.progress = not args.quiet
     return config
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -146,7 +157,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"batch sizes {list(config.batch_sizes)}, depths {list(config.depths)}, "
           f"device {device}, amp {config.amp}, warmup {config.warmup}, iters {config.iters}",
           flush=True)
-    records = bench.run_bench(config)
+    os.makedirs(args.out, exist_ok=True)
+    # Records also stream to results.jsonl, so a run killed from outside still leaves its data.
+    stream = open(os.path.join(args.out, "results.jsonl"), "w")
+
+    def keep(record: dict) -> None:
+        stream.write(json.dumps(bench._jsonable(record)) + "\n")
+        stream.flush()
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us with SIGTERM
+    try:
+        records = bench.run_bench(config, on_record=keep)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stream.close()
     paths = bench.write_results(records, args.out)
     print()
     print(bench.format_table(records))
@@ -164,42 +188,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # NOTE [ --drift hook ]
-#     Issue 8 adds ``pareprop.drift_report(model, inputs, ...)``: per reversible block, the
-#     relative error of rebuilt inputs and of parameter gradients under autocast. Until it
-#     exists, ``--drift`` says so and exits non-zero. When it lands, adapt the call below (the
-#     keyword arguments are a guess) and, if wanted, fold the figures into results/plots.
+#     ``pareprop.drift_report(model, inputs, amp_dtype=..., engines=...)`` (issue 8) measures,
+#     for one step under autocast, how far each reversible block's rebuilt inputs and every
+#     gradient are from a float32 reference. ``--drift`` runs it per model and depth instead of
+#     the timing sweep, writes drift.json and plots error against depth. An install without it
+#     says so and exits non-zero.
 def _drift(config: Any, out_dir: str) -> int:
     import pareprop
 
     drift_report = getattr(pareprop, "drift_report", None)
     if drift_report is None:
         print("pareprop bench: error: --drift needs pareprop.drift_report (issue 8), which this "
-              "install does not provide yet", file=sys.stderr)
+              "install does not provide", file=sys.stderr)
         return 3
     import torch
 
     from pareprop import bench
+    from pareprop.engine import ENGINES
+    from pareprop.plots import plot_drift
 
     device = torch.device(config.resolved_device())
-    reports = []
+    # Drift is a low-precision effect: without --amp, measure under bf16 autocast.
+    amp_dtype = torch.float16 if config.amp == "fp16" else torch.bfloat16
+    engines = [e for e in config.engines if e in ENGINES] or list(ENGINES)
+    if "autograd" not in engines:  # the ratio to autograd under the same autocast is the point
+        engines.insert(0, "autograd")
+    rows = []
     for name in config.models:
         info = bench._model_info(name)
         if not info.reversible:
+            print(f"pareprop bench: --drift skips {name} (no reversible stack)", file=sys.stderr)
             continue
-        for depth in config.depths:
-            job = bench._jobs(config)[0]
-            job.model, job.depth, job.engine = name, depth, "reversible"
+        for job in bench._jobs(config):
+            if job.model != name or job.engine != engines[0] or job.batch_size != min(
+                config.batch_sizes
+            ):
+                continue
             torch.manual_seed(config.seed)
             model = bench._build(job, info).to(device).train()
-            inputs = bench._make_inputs(model, job, info, device, min(config.batch_sizes))
-            report = drift_report(model, inputs)  # HOOK [drift]: adapt to the final signature
-            reports.append({"model": name, "depth": depth, "amp": config.amp, "report": report})
+            inputs = bench._make_inputs(model, job, info, device, job.batch_size)
+            report = drift_report(model, inputs, amp_dtype=amp_dtype, engines=engines,
+                                  seed=config.seed)
+            depth = job.depth if job.depth is not None else bench._model_depth(model)
+            rows.append({"model": name, "depth": depth, "batch_size": job.batch_size,
+                         "device": str(device), **report.to_dict(), "ratios": report.ratios()})
+            errs = ", ".join(f"{e} {v:.2e}" for e, v in report.grad_error.items())
+            ratios = ", ".join(f"{e}/autograd {v:.2f}" for e, v in report.ratios().items())
+            print(f"{name} depth {depth}: gradient error vs {report.reference_dtype}: {errs}"
+                  f" ({ratios})", flush=True)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "drift.json")
     with open(path, "w") as fh:
-        json.dump(reports, fh, indent=1, default=str)
-    print(f"wrote {path}")
-    return 0
+        json.dump(rows, fh, indent=1, default=str)
+    plots = plot_drift(rows, out_dir) if rows else []
+    print(f"wrote {path}" + (f" and {len(plots)} plot(s)" if plots else ""))
+    return 0 if rows else 1
 
 
 if __name__ == "__main__":
