@@ -1,6 +1,6 @@
 """Reusable layers. They know nothing about the backward engines."""
 
-from pareprop.layers.attention import Attention
+from pareprop.layers.attention import Attention, attend
 from pareprop.layers.patch_embed import PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers.pooling_attention import (
     PoolingAttention,
@@ -13,6 +13,7 @@ from pareprop.layers.pooling_attention import (
 
 __all__ = [
     "Attention",
+    "attend",
     "PatchEmbed",
     "PoolingAttention",
     "add_decomposed_rel_pos",

@@ -6,7 +6,33 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "attend"]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention of ``(B, heads, N, head_dim)`` queries, keys and values.
+
+    ``attn_mask`` is boolean, True where a key may be attended to. Without dropout this is
+    the fused kernel, which keeps the (N, N) weights out of memory. With dropout it is the
+    explicit softmax, dropout and product: the fused kernels draw their masks in a way that
+    depends on the backend they pick, and the backend may depend on whether the inputs
+    require grad, which differs between a reversible engine's forward (no grad) and its
+    recomputation. nn.Dropout's masks depend only on the generator state, which the engines
+    replay exactly.
+    """
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, heads, N, N)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
+    return weights @ v  # (B, heads, N, head_dim)
 
 
 class Attention(nn.Module):
@@ -44,10 +70,6 @@ class Attention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, N, head_dim)
-        # The fused kernel keeps the (N, N) weights out of memory; its dropout draws from the
-        # global generator, which the reversible engines replay in recomputation.
-        x = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_drop if self.training else 0.0
-        )
+        x = attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, N, C)  # (B, N, C)
         return self.proj_drop(self.proj(x))

@@ -29,12 +29,12 @@ from typing import Any, Dict, Set, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import DropPath, Mlp
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.engine import set_engine as _set_engine
+from pareprop.layers.attention import attend
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -163,9 +163,7 @@ class TextSelfAttention(nn.Module):
         B, L, C = x.shape
         qkv = self.qkv(x).view(B, L, 3, self.num_heads, C // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, L, head_dim)
-        x = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0
-        )
+        x = attend(q, k, v, attn_mask, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, L, C)  # (B, L, C)
         return self.proj_drop(self.proj(x))
 
