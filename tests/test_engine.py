@@ -336,3 +336,21 @@ def test_parameter_changed_before_backward_is_refused():
         model.stack.blocks[1].attn.weight.add_(1.0)  # an optimizer step before backward
     with pytest.raises(RuntimeError, match="'weight' of block 1 .* modified in place"):
         loss.backward()
+
+
+def test_attention_dropout_is_replayed_exactly():
+    # Attention dropout goes through nn.functional.dropout (see pareprop.layers.attend), whose
+    # masks depend only on the generator state the engines replay.
+    from pareprop.layers import Attention
+
+    class AttentionBlock(MixerBlock):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention(DIM, num_heads=2, attn_drop=0.3)
+
+        def f(self, x, **kwargs):
+            return self.attn(self.norm1(x))
+
+    stack = pareprop.ReversibleStack([AttentionBlock() for _ in range(3)])
+    report = engine_errors(stack, (torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)))
+    _assert_agree(report)

@@ -327,6 +327,9 @@ def _grads(
     dy1_total = dy1 if g_in is None else dy1 + g_in
     # Y1 = X1 + F(X2): the total dY1 flows into F, whose input gradient joins dY2.
     f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
+    # Autograd may have summed a gradient on another stream (a parameter used twice in F).
+    for grad in (g_in, f_in, *g_params, *f_params):
+        lanes.hand_over(grad, index)
     dx2 = dy2 if f_in is None else dy2 + f_in
     for (slot, _), gg, fg in zip(owned, g_params, f_params):
         for grad in (gg, fg):
@@ -418,6 +421,16 @@ def _backward_in_order(plan, y1, y2, dy1, dy2, param_grads):
 
 def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
     lanes = _Lanes(plan.device, parallel=True)
+    try:
+        dy1, dy2 = _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads)
+    finally:  # the main stream must not run ahead of the side streams, even after an error
+        lanes.join()
+    for t in (dy1, dy2, *param_grads):
+        lanes.hand_over(t, None)
+    return dy1, dy2
+
+
+def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
     last = len(plan.blocks) - 1
     for t in (y1, y2, dy1, dy2):
         lanes.hand_over(t, last)
@@ -446,11 +459,7 @@ def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
     lanes.hand_over(dy1, 0)
     lanes.hand_over(dy2, 0)
     with lanes.run_on(0):
-        dy1, dy2 = _grads(plan, 0, rebuilt, dy1, dy2, param_grads, lanes)
-    lanes.join()
-    for t in (dy1, dy2, *param_grads):
-        lanes.hand_over(t, None)
-    return dy1, dy2
+        return _grads(plan, 0, rebuilt, dy1, dy2, param_grads, lanes)
 
 
 class _ReversibleFunction(torch.autograd.Function):
