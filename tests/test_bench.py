@@ -20,15 +20,6 @@ from pareprop.models import is_model, register_model
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: a second OpenMP thread only adds synchronisation, badly so on a busy CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- a tiny reversible image model that follows the model contract ---------------------------
 
 

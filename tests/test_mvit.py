@@ -15,15 +15,6 @@ TOL = 1e-8
 ENGINES = ("reversible", "pareprop")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny float64 ops drown in thread hand-offs on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(name: str = "rev_mvitv2_tiny_32", **overrides):
     kw = dict(embed_dim=8, num_classes=5, drop_path_rate=0.3, drop_rate=0.1)
     if MVIT_CONFIGS[name].patch_stride == 4:

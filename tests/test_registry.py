@@ -26,14 +26,6 @@ MVIT_NAMES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _params(name: str, **overrides) -> int:
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = pareprop.create_model(name, **overrides)

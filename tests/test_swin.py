@@ -17,16 +17,6 @@ from pareprop.testing import engine_errors
 TOL = 1e-8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny float64 models: intra-op threads cost more than they save here, and many times more
-    # on a busy 2-core machine (measured 10x). Restored for the other test modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tiny(**overrides):
     cfg = dict(
         embed_dim=8,

@@ -13,15 +13,6 @@ TOL = 1e-8
 ENGINES = ("reversible", "pareprop")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny float64 ops drown in thread hand-offs on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(name: str = "rev_vit_tiny_patch4_32", **overrides) -> pareprop.models.vit.RevViT:
     cfg = VIT_CONFIGS[name]
     kw = dict(

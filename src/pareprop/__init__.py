@@ -1,5 +1,6 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
+from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
     ReversibleBlock,
@@ -7,7 +8,6 @@ from pareprop.engine import (
     debug_reconstruction,
     set_engine,
 )
-from pareprop.drift import DriftReport, drift_report
 from pareprop.memory import activation_bytes
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 

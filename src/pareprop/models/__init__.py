@@ -1,5 +1,7 @@
 """Model families. Importing this package registers every named variant."""
 
+# Imported for their side effect: each module registers its named variants.
+from pareprop.models import mvit, swin, text, vit  # noqa: E402,F401
 from pareprop.models._registry import (
     create_model,
     is_model,
@@ -7,8 +9,5 @@ from pareprop.models._registry import (
     model_spec,
     register_model,
 )
-
-# Imported for their side effect: each module registers its named variants.
-from pareprop.models import mvit, swin, text, vit  # noqa: E402,F401
 
 __all__ = ["create_model", "is_model", "list_models", "model_spec", "register_model"]
