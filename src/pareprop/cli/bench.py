@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="still try larger batches of a model/engine after an out-of-memory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--drift", action="store_true",
-                   help="reconstruction-drift report per block (needs pareprop.drift_report)")
+                   help="reconstruction-drift report per block (pareprop.drift_report)")
     return p
 
 
@@ -187,23 +187,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if failed and len(failed) == len(records) else 0
 
 
-# NOTE [ --drift hook ]
-#     ``pareprop.drift_report(model, inputs, amp_dtype=..., engines=...)`` (issue 8) measures,
-#     for one step under autocast, how far each reversible block's rebuilt inputs and every
-#     gradient are from a float32 reference. ``--drift`` runs it per model and depth instead of
-#     the timing sweep, writes drift.json and plots error against depth. An install without it
-#     says so and exits non-zero.
+# NOTE [ --drift ]
+#     ``pareprop.drift_report`` measures, for one step under autocast, how far each reversible
+#     block's rebuilt inputs and every gradient are from a float32 reference. ``--drift`` runs it
+#     per model and depth instead of the timing sweep, writes drift.json and plots error
+#     against depth.
 def _drift(config: Any, out_dir: str) -> int:
-    import pareprop
-
-    drift_report = getattr(pareprop, "drift_report", None)
-    if drift_report is None:
-        print("pareprop bench: error: --drift needs pareprop.drift_report (issue 8), which this "
-              "install does not provide", file=sys.stderr)
-        return 3
     import torch
 
     from pareprop import bench
+    from pareprop.drift import drift_report
     from pareprop.engine import ENGINES
     from pareprop.plots import plot_drift
 
