@@ -235,20 +235,7 @@ def test_bad_options_exit_non_zero_with_a_message(argv, message, tmp_path, capsy
     assert not (tmp_path / "x").exists()  # nothing ran
 
 
-def test_drift_without_drift_report_says_so(tmp_path, capsys, monkeypatch):
-    import pareprop
-
-    monkeypatch.delattr(pareprop, "drift_report", raising=False)
-    rc, _, stderr = _run(["--models", "bench_test_tiny_rev", "--drift", "--device", "cpu",
-                          "--out", str(tmp_path)], capsys)
-    assert rc != 0 and "pareprop.drift_report" in stderr
-
-
 def test_drift_writes_per_depth_rows_and_a_plot(tmp_path, capsys):
-    import pareprop
-
-    if getattr(pareprop, "drift_report", None) is None:
-        pytest.skip("pareprop.drift_report is not in this checkout")
     rc, stdout, _ = _run(["--models", "bench_test_tiny_rev", "--drift", "--device", "cpu",
                           "--depths", "1", "3", "--batch-sizes", "2", "--out", str(tmp_path)],
                          capsys)
