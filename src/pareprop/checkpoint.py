@@ -1,0 +1,413 @@
+"""Checkpoints that rebuild the model by name, resume exactly, and never half-exist.
+
+A checkpoint is a directory::
+
+    model.safetensors   the weights (safetensors: loading runs no code)
+    model.json          format marker, model name and kwargs (``pareprop.model_spec``), epoch,
+                        step, metrics, and the SHA-256 of the two other files
+    state.pt            optimizer, scheduler, scaler, RNG and loop state, for resuming; written
+                        with ``torch.save`` and read back with ``weights_only=True``
+
+A training run keeps them under ``OUT/checkpoints/`` and points the names ``OUT/last`` and
+``OUT/best`` at them with symbolic links.
+
+NOTE [ Atomic checkpoints ]
+    Every file is written to a temporary name in its final directory, flushed with fsync and
+    moved into place with ``os.replace``. A new checkpoint is assembled in a hidden temporary
+    directory, renamed to its final name, and only then do ``last``/``best`` switch to it (a
+    new link renamed over the old one, which POSIX makes atomic). A process killed at any
+    point therefore leaves ``last`` pointing at a complete checkpoint: the previous one or the
+    new one, never a mix. Checkpoints no name points at any more are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "atomic_write",
+    "rng_state",
+    "set_rng_state",
+]
+
+FORMAT = "pareprop-checkpoint"
+VERSION = 1
+WEIGHTS, META, STATE = "model.safetensors", "model.json", "state.pt"
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupted, or not a pareprop checkpoint."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: ``meta`` is model.json, ``train_state`` is state.pt (or ``None``)."""
+
+    path: str
+    meta: Dict[str, Any]
+    state_dict: Dict[str, torch.Tensor]
+    train_state: Optional[Dict[str, Any]] = field(default=None, repr=False)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.meta["epoch"])
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def _fsync_dir(path: PathLike) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
+    """Write ``path`` by calling ``write(tmp_path)``, fsync, then ``os.replace`` into place.
+
+    The temporary file lives in the same directory (a rename across file systems is not
+    atomic); it is removed if ``write`` or the rename fails, and ``path`` is then untouched.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def _sha256(path: PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every RNG a training step may draw from (python, numpy, torch CPU and CUDA), in a form
+    ``torch.load(weights_only=True)`` accepts (tensors, lists, numbers)."""
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": _to_lists(random.getstate()),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype("int64")),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    import numpy as np
+
+    random.setstate(_to_tuples(state["python"]))
+    s = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            s["keys"].numpy().astype("uint32"),
+            s["pos"],
+            s["has_gauss"],
+            s["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DistributedDataParallel and torch.compile wrap the model; the spec lives on the inner one.
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def save_checkpoint(
+    out_dir: PathLike,
+    model: nn.Module,
+    *,
+    epoch: int,
+    step: int,
+    metrics: Optional[Dict[str, Any]] = None,
+    train_state: Optional[Dict[str, Any]] = None,
+    tags: Iterable[str] = ("last",),
+    extra: Optional[Dict[str, Any]] = None,
+) -> str:
+    """Save a checkpoint under ``out_dir/checkpoints/`` and point each tag (``out_dir/last``,
+    ``out_dir/best``) at it, atomically (see the note at the top of this module).
+
+    Args:
+        out_dir: the run directory.
+        model: a model made by ``pareprop.create_model`` (DDP-wrapped is fine).
+        epoch: epochs completed.
+        step: optimizer steps completed.
+        metrics: JSON-serialisable numbers stored in model.json.
+        train_state: what resuming needs (optimizer, scheduler, ... state dicts); tensors,
+            numbers, strings, lists and dicts only. ``None`` writes weights only.
+        tags: names to point at the new checkpoint.
+        extra: more JSON-serialisable fields for model.json (e.g. the run's config).
+
+    Returns:
+        The path of the new checkpoint directory.
+    """
+    from safetensors.torch import save_model
+
+    from pareprop.models import model_spec
+
+    model = _unwrap(model)
+    spec = model_spec(model)
+    out_dir = os.fspath(out_dir)
+    root = os.path.join(out_dir, "checkpoints")
+    os.makedirs(root, exist_ok=True)
+    name = f"epoch{epoch:04d}-step{step:08d}"
+    final = os.path.join(root, name)
+    n = 1
+    while os.path.exists(final):
+        final = os.path.join(root, f"{name}.{n}")
+        n += 1
+
+    tmp_dir = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root)
+    try:
+        weights = os.path.join(tmp_dir, WEIGHTS)
+        atomic_write(
+            weights,
+            lambda p: save_model(model, p, metadata={"format": FORMAT, "model": spec["name"]}),
+        )
+        files = {"weights": WEIGHTS}
+        digests = {WEIGHTS: _sha256(weights)}
+        if train_state is not None:
+            state = os.path.join(tmp_dir, STATE)
+            atomic_write(state, lambda p: torch.save({"format": FORMAT, **train_state}, p))
+            files["state"] = STATE
+            digests[STATE] = _sha256(state)
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": spec,
+            "epoch": int(epoch),
+            "step": int(step),
+            "metrics": dict(metrics or {}),
+            "files": files,
+            "sha256": digests,
+            **(extra or {}),
+        }
+        text = json.dumps(meta, indent=2, sort_keys=True)
+        atomic_write(os.path.join(tmp_dir, META), lambda p: _write_text(p, text))
+        os.replace(tmp_dir, final)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    for tag in tags:
+        _point(os.path.join(out_dir, tag), os.path.relpath(final, out_dir))
+    _prune(out_dir, root)
+    return final
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _point(link: str, target: str) -> None:
+    """Make ``link`` a symbolic link to ``target`` by renaming a new link over it."""
+    folder = os.path.dirname(link)
+    tmp = os.path.join(folder, f".{os.path.basename(link)}.{os.getpid()}.tmp")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        os.remove(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def _prune(out_dir: str, root: str) -> None:
+    """Delete checkpoints no tag points at (and temporary directories of killed saves)."""
+    keep = set()
+    for entry in os.scandir(out_dir):
+        if entry.is_symlink():
+            keep.add(os.path.realpath(entry.path))
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False) and os.path.realpath(entry.path) not in keep:
+            if entry.name.startswith(".") and not entry.name.endswith(".tmp"):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _resolve(path: PathLike) -> str:
+    """The checkpoint directory for a directory, a link to one, or a file inside one."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and os.path.basename(path) in (WEIGHTS, META, STATE):
+        path = os.path.dirname(path)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, META)):
+        # A run directory: resume from its last checkpoint.
+        if os.path.exists(os.path.join(path, "last", META)):
+            return os.path.realpath(os.path.join(path, "last"))
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path!r} is not a pareprop checkpoint: expected a directory holding {META}, "
+            f"{WEIGHTS} and {STATE} (or a run directory with a 'last' checkpoint)"
+        )
+    if not os.path.exists(os.path.join(path, META)):
+        raise CheckpointError(f"{path!r} is not a pareprop checkpoint: it has no {META}")
+    return os.path.realpath(path)
+
+
+def load_checkpoint(
+    path: PathLike, map_location: Any = "cpu", train_state: bool = True
+) -> Checkpoint:
+    """Read and verify a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: the checkpoint directory, a link to it (``OUT/last``), a file in it, or a run
+            directory (its ``last`` checkpoint).
+        map_location: where tensors go.
+        train_state: also read state.pt (needed to resume, not to evaluate).
+
+    Raises:
+        CheckpointError: the files are missing, corrupted (checksum, unreadable), or were not
+            written by pareprop.
+    """
+    from safetensors.torch import load_file
+
+    folder = _resolve(path)
+    meta_path = os.path.join(folder, META)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path!r} is corrupted or not JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f'{meta_path!r} is not a pareprop checkpoint (no "format": "{FORMAT}" field)'
+        )
+    if int(meta.get("version", 0)) > VERSION:
+        raise CheckpointError(
+            f"{folder!r} has checkpoint format version {meta['version']}; this pareprop reads "
+            f"up to {VERSION}: upgrade pareprop"
+        )
+    for fname, digest in meta.get("sha256", {}).items():
+        fpath = os.path.join(folder, fname)
+        if not os.path.exists(fpath):
+            raise CheckpointError(f"checkpoint {folder!r} is incomplete: {fname} is missing")
+        if _sha256(fpath) != digest:
+            raise CheckpointError(
+                f"checkpoint {folder!r} is corrupted: {fname} does not match its SHA-256 "
+                f"in {META}; use another checkpoint (e.g. 'best' instead of 'last')"
+            )
+    try:
+        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+        state_dict = load_file(os.path.join(folder, WEIGHTS), device=str(device))
+    except Exception as e:  # safetensors raises its own error type for a damaged header
+        raise CheckpointError(f"cannot read the weights of {folder!r}: {e}") from e
+    state = None
+    if train_state and "state" in meta.get("files", {}):
+        state_path = os.path.join(folder, STATE)
+        try:
+            state = torch.load(state_path, map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"cannot read the training state {state_path!r}: {e}") from e
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise CheckpointError(f"{state_path!r} is not a pareprop training state")
+    return Checkpoint(path=folder, meta=meta, state_dict=state_dict, train_state=state)
+
+
+def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> nn.Module:
+    """Rebuild the model a checkpoint was saved from (``create_model(name, **kwargs)``) and
+    load its weights. ``overrides`` change config fields that do not touch the weights'
+    shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``)."""
+    from pareprop.models import create_model
+
+    ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
+    spec = ckpt.meta["model"]
+    model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
+    load_weights(model, ckpt)
+    return model
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Copy ``ckpt``'s weights into ``model`` (strict), with an error naming any mismatch."""
+    model = _unwrap(model)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(ckpt.state_dict))
+    # save_model drops aliases of shared tensors, so a missing key may be a tied weight.
+    missing = [k for k in missing if not _is_alias(own, k, ckpt.state_dict)]
+    unexpected = sorted(set(ckpt.state_dict) - set(own))
+    bad = [k for k in ckpt.state_dict if k in own and own[k].shape != ckpt.state_dict[k].shape]
+    if missing or unexpected or bad:
+        shapes = [(k, tuple(ckpt.state_dict[k].shape), tuple(own[k].shape)) for k in bad[:5]]
+        raise CheckpointError(
+            f"checkpoint {ckpt.path!r} does not fit {type(model).__name__}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"shape mismatch {shapes}"
+        )
+    model.load_state_dict(ckpt.state_dict, strict=False)
+
+
+def _is_alias(own: Dict[str, torch.Tensor], key: str, saved: Dict[str, torch.Tensor]) -> bool:
+    t = own[key]
+    return any(
+        k in saved and v.data_ptr() == t.data_ptr() and v.shape == t.shape
+        for k, v in own.items()
+        if k != key
+    )

@@ -1,0 +1,158 @@
+"""``pareprop train``: a thin front end over :func:`pareprop.trainer.train`.
+
+Options come from three layers, later ones winning: the defaults of
+:class:`pareprop.trainer.TrainConfig`, a ``--config`` file (YAML or JSON, keys are the field
+names), and the flags actually given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from pareprop.trainer import AMP_MODES, TrainConfig
+
+__all__ = ["main", "build_parser", "resolve_config"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # SUPPRESS: a flag that is not given leaves no attribute, so it cannot override the
+    # config file with a default.
+    p = argparse.ArgumentParser(
+        prog="pareprop train",
+        description="Train a reversible model. Defaults train rev_vit_tiny_patch4_32 on the "
+        "built-in digits (offline) to >= 95%% validation accuracy in a few CPU minutes.",
+        argument_default=argparse.SUPPRESS,
+    )
+    d = TrainConfig()
+    p.add_argument("--config", help="YAML or JSON file of options; flags override it")
+    p.add_argument("--model", help=f"registered model name (default {d.model})")
+    p.add_argument(
+        "--model-arg",
+        dest="model_args",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a model config field, e.g. --model-arg depth=6 (repeatable; values "
+        "are parsed as YAML)",
+    )
+    p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
+    p.add_argument(
+        "--dataset", help="digits, cifar10, cifar100, or a path to an image folder (default digits)"
+    )
+    p.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction, help="fetch CIFAR")
+    p.add_argument(
+        "--augment", action=argparse.BooleanOptionalAction, help="training augmentation (on)"
+    )
+    p.add_argument("--epochs", type=int, help=f"(default {d.epochs})")
+    p.add_argument(
+        "--batch-size", type=int, help=f"global samples per optimizer step (default {d.batch_size})"
+    )
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    p.add_argument(
+        "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})"
+    )
+    p.add_argument(
+        "--warmup-epochs", type=float, help=f"linear warm-up length (default {d.warmup_epochs})"
+    )
+    p.add_argument("--label-smoothing", type=float, help=f"(default {d.label_smoothing})")
+    p.add_argument(
+        "--clip-grad", type=float, help=f"max gradient norm, 0 for none (default {d.clip_grad})"
+    )
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--amp", choices=AMP_MODES, help="autocast: none, bf16 (CPU/GPU), fp16 (GPU)")
+    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    p.add_argument("--out", help=f"run directory: checkpoints, metrics.jsonl (default {d.out})")
+    p.add_argument("--resume", help="checkpoint to resume from (OUT/last, OUT/best, or OUT)")
+    p.add_argument(
+        "--eval-only",
+        action=argparse.BooleanOptionalAction,
+        help="evaluate the --resume checkpoint and exit",
+    )
+    p.add_argument("--workers", type=int, help="data loader processes (default 0)")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument(
+        "--stop-after-epochs",
+        type=int,
+        help="stop after this many epochs of this invocation (resume later with --resume)",
+    )
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
+    )
+    return p
+
+
+def _load_file(path: str) -> Dict[str, Any]:
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a mapping of options in {path!r}, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _parse_model_args(items: List[str]) -> Dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected --model-arg KEY=VALUE, got {item!r}")
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def resolve_config(argv: Sequence[str]) -> TrainConfig:
+    """Parse ``argv`` on top of ``--config`` on top of the defaults."""
+    ns = vars(build_parser().parse_args(list(argv)))
+    values: Dict[str, Any] = {}
+    if "config" in ns:
+        values.update(_load_file(ns.pop("config")))
+    model_args = _parse_model_args(ns.pop("model_args", []))
+    if model_args:
+        values["model_kwargs"] = {**values.get("model_kwargs", {}), **model_args}
+    values.update(ns)
+    if values.get("clip_grad") == 0:
+        values["clip_grad"] = None
+    return TrainConfig.from_dict(values)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from pareprop.checkpoint import CheckpointError
+    from pareprop.data import DatasetNotFoundError
+    from pareprop.trainer import NonFiniteLossError, train
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = resolve_config(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    except (ValueError, TypeError) as e:
+        print(f"pareprop train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg)
+    except NonFiniteLossError as e:
+        print(f"pareprop train: stopped: {e}", file=sys.stderr)
+        return 1
+    except (CheckpointError, DatasetNotFoundError) as e:
+        print(f"pareprop train: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"pareprop train: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,514 @@
+"""The training loop behind ``pareprop train``.
+
+One :class:`TrainConfig` holds every choice of a run (the CLI, a YAML/JSON file and the tests
+all fill it); :func:`train` runs it and returns a summary. The loop is ordinary supervised
+training (AdamW, cosine schedule with warm-up, label smoothing, gradient clipping, autocast);
+what is particular to pareprop is only that the model's engine is picked by name, and that a
+run can be resumed exactly.
+
+NOTE [ Exact resume ]
+    A run stopped after epoch k and resumed produces the same numbers as one that was not
+    stopped, because everything a step depends on is either a function of ``(seed, epoch)`` or
+    saved: the data order comes from a sampler seeded with ``(seed, epoch)``; the model,
+    optimizer, scheduler and gradient scaler states are saved; and the RNG states (python,
+    numpy, torch CPU and CUDA, per process) are saved after the epoch's evaluation, which is
+    exactly where the next epoch starts drawing random crops, dropout and drop-path masks.
+
+NOTE [ Batch size ]
+    ``batch_size`` is the global number of samples per optimizer step. Each of ``world_size``
+    processes feeds ``batch_size / (world_size * grad_accum)`` samples per micro-batch. Because
+    the distributed sampler deals sample ``i`` of the epoch's order to process ``i % world``, a
+    step covers the same samples whatever the number of processes and micro-batches, so a run
+    changes neither its learning rate nor its results when it is spread out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
+
+from pareprop import checkpoint as ckpt_lib
+from pareprop import distributed as dist_lib
+from pareprop.data import build_datasets, epoch_sampler
+
+__all__ = ["TrainConfig", "Trainer", "train", "NonFiniteLossError", "param_groups"]
+
+AMP_MODES = ("none", "bf16", "fp16")
+# Fields of a metrics record that measure the machine, not the run; exact resume compares the rest.
+TIMING_KEYS = ("time_s", "samples_per_s", "peak_mem_mb")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on; defaults train the digits model in minutes."""
+
+    model: str = "rev_vit_tiny_patch4_32"
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    engine: str = "reversible"
+    dataset: str = "digits"
+    data_dir: str = "data"
+    download: bool = False
+    augment: bool = True
+    epochs: int = 15
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.05
+    warmup_epochs: float = 1.0
+    label_smoothing: float = 0.1
+    clip_grad: Optional[float] = 1.0
+    grad_accum: int = 1
+    amp: str = "none"
+    seed: int = 0
+    out: str = "runs/train"
+    resume: Optional[str] = None
+    eval_only: bool = False
+    workers: int = 0
+    device: str = "auto"
+    stop_after_epochs: Optional[int] = None
+    max_steps: Optional[int] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        for name in ("epochs", "batch_size", "grad_accum"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise ValueError(f"expected workers >= 0, got {self.workers}")
+        if self.lr <= 0:
+            raise ValueError(f"expected a positive learning rate, got {self.lr}")
+
+    @classmethod
+    def fields(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> TrainConfig:
+        unknown = sorted(set(d) - set(cls.fields()))
+        if unknown:
+            raise ValueError(
+                f"unknown training option(s) {', '.join(unknown)}; valid: {', '.join(cls.fields())}"
+            )
+        return cls(**d)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the run stopped before the optimizer step."""
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """AdamW groups: no weight decay on the model's ``no_weight_decay()`` names (position
+    embeddings, relative position tables) nor on norms and biases (any 0-D or 1-D tensor)."""
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _peak_mem_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # Peak resident set of the process (kilobytes on Linux): the CPU analogue.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"expected --device cpu or auto on a machine without CUDA, got {name!r}"
+            )
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+class Trainer:
+    """Builds the model, data, optimizer and schedule of a :class:`TrainConfig` and runs them.
+
+    Args:
+        cfg: the run.
+        dist: the process group view (``pareprop.distributed.init()``); one process if omitted.
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: Optional[dist_lib.DistInfo] = None):
+        from pareprop.engine import ENGINES
+        from pareprop.models import create_model
+
+        self.cfg = cfg
+        self.dist = dist or dist_lib.DistInfo()
+        self.device = _resolve_device(cfg.device, self.dist.local_rank)
+        if cfg.engine not in ENGINES:
+            raise ValueError(f"expected --engine one of {', '.join(ENGINES)}, got {cfg.engine!r}")
+        if cfg.amp == "fp16" and self.device.type != "cuda":
+            raise ValueError(
+                "--amp fp16 needs a CUDA device (its gradient scaler guards fp16's narrow range); "
+                "use --amp bf16 on the CPU"
+            )
+        self.resume = None
+        if cfg.resume is not None:
+            self.resume = ckpt_lib.load_checkpoint(cfg.resume, train_state=not cfg.eval_only)
+        elif cfg.eval_only:
+            raise ValueError("--eval-only needs a checkpoint to evaluate: pass --resume PATH")
+
+        # The model: from the checkpoint's spec when resuming, else from the config.
+        if self.resume is not None:
+            name, kwargs = (
+                self.resume.meta["model"]["name"],
+                dict(self.resume.meta["model"]["kwargs"]),
+            )
+        else:
+            name, kwargs = cfg.model, dict(cfg.model_kwargs)
+        kwargs["engine"] = cfg.engine
+        torch.manual_seed(cfg.seed)
+        probe = create_model(name, **kwargs)
+        input_size = tuple(probe.pretrained_cfg["input_size"])
+        self.data = build_datasets(
+            cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment
+        )
+        if probe.num_classes != self.data.num_classes:
+            if self.resume is not None:
+                raise ValueError(
+                    f"checkpoint {self.resume.path!r} has {probe.num_classes} classes, data set "
+                    f"{cfg.dataset!r} has {self.data.num_classes}"
+                )
+            kwargs["num_classes"] = self.data.num_classes
+            torch.manual_seed(cfg.seed)
+            probe = create_model(name, **kwargs)
+        model = probe.to(self.device)
+        if self.resume is not None:
+            ckpt_lib.load_weights(model, self.resume)
+        self.model = model  # the bare model; self.net is what the loop calls (maybe DDP)
+        # Each process draws its own augmentation and dropout; process 0 matches a
+        # single-process run of the same seed.
+        if self.dist.rank > 0:
+            torch.manual_seed(cfg.seed + self.dist.rank)
+
+        # Data: per-process micro-batches (see NOTE [ Batch size ]).
+        world, accum = self.dist.world_size, cfg.grad_accum
+        if cfg.batch_size % (world * accum):
+            raise ValueError(
+                f"expected --batch-size divisible by processes x --grad-accum = {world} x {accum}, "
+                f"got {cfg.batch_size}"
+            )
+        self.micro_batch = cfg.batch_size // (world * accum)
+        self.sampler = epoch_sampler(
+            self.data.train, cfg.seed, num_replicas=world, rank=self.dist.rank
+        )
+        self.train_loader = DataLoader(
+            self.data.train,
+            batch_size=self.micro_batch,
+            sampler=self.sampler,
+            num_workers=cfg.workers,
+            pin_memory=self.device.type == "cuda",
+            drop_last=False,
+        )
+        # Validation is split without padding (a distributed sampler would repeat samples).
+        val = self.data.val
+        shard = Subset(val, range(self.dist.rank, len(val), world)) if world > 1 else val
+        self.val_loader = DataLoader(
+            shard, batch_size=max(self.micro_batch, 64), num_workers=cfg.workers
+        )
+        self.micro_per_epoch = len(self.train_loader)
+        self.steps_per_epoch = math.ceil(self.micro_per_epoch / accum)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+
+        self.net = dist_lib.wrap_ddp(model, self.device) if world > 1 else model
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
+        )
+        from timm.scheduler import CosineLRScheduler
+
+        warmup = int(round(cfg.warmup_epochs * self.steps_per_epoch))
+        self.scheduler = CosineLRScheduler(
+            self.optimizer,
+            t_initial=max(1, self.total_steps - warmup),
+            lr_min=cfg.lr * 1e-2,
+            warmup_t=warmup,
+            warmup_lr_init=cfg.lr * 1e-2,
+            warmup_prefix=True,
+            t_in_epochs=False,
+        )
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+
+        self.epoch, self.step = 0, 0
+        self.best = {"val_acc": -1.0, "epoch": 0}
+        self.step_losses: List[float] = []
+        self.last_checkpoint: Optional[str] = None
+        if self.resume is not None and not cfg.eval_only:
+            self._load_train_state(self.resume)
+
+    # ------------------------------------------------------------------ state
+    def _load_train_state(self, ck: ckpt_lib.Checkpoint) -> None:
+        st = ck.train_state
+        if st is None:
+            raise ckpt_lib.CheckpointError(
+                f"{ck.path!r} holds weights only, no training state to resume from; "
+                "evaluate it with --eval-only or start a new run"
+            )
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.scaler.load_state_dict(st["scaler"])
+        self.epoch, self.step = int(st["epoch"]), int(st["step"])
+        self.best = dict(st["best"])
+        self.last_checkpoint = ck.path
+        rngs = st["rng"]
+        if len(rngs) == self.dist.world_size:
+            ckpt_lib.set_rng_state(rngs[self.dist.rank])
+        else:  # a different number of processes: exactness is impossible, continue sensibly
+            self._log(
+                f"note: checkpoint saved by {len(rngs)} process(es), resuming with "
+                f"{self.dist.world_size}: random draws will differ from an uninterrupted run"
+            )
+            torch.manual_seed(self.cfg.seed + 7919 * self.epoch + self.dist.rank)
+
+    def _train_state(self) -> Dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "best": dict(self.best),
+            "rng": dist_lib.gather_objects(ckpt_lib.rng_state(), self.dist),
+            "config": json.dumps(dataclasses.asdict(self.cfg), default=str),
+        }
+
+    def save(self, metrics: Dict[str, Any]) -> None:
+        """Checkpoint after an epoch on process 0 (all processes take part in gathering RNG)."""
+        is_best = metrics["val_acc"] > self.best["val_acc"]
+        if is_best:
+            self.best = {"val_acc": metrics["val_acc"], "epoch": self.epoch}
+        state = self._train_state()
+        if self.dist.rank == 0:
+            tags = ("last", "best") if is_best else ("last",)
+            self.last_checkpoint = ckpt_lib.save_checkpoint(
+                self.cfg.out,
+                self.model,
+                epoch=self.epoch,
+                step=self.step,
+                metrics=metrics,
+                train_state=state,
+                tags=tags,
+            )
+        dist_lib.barrier(self.dist)
+
+    # ------------------------------------------------------------------ loop
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _log(self, msg: str) -> None:
+        if self.dist.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        ok = torch.isfinite(loss.detach()).to(torch.float32).reshape(1)
+        ok = dist_lib.all_reduce(ok, self.dist, op="min")
+        if ok.item() < 1:
+            where = (
+                f"the last good checkpoint {self.last_checkpoint!r} is kept"
+                if self.last_checkpoint
+                else "no checkpoint was written yet"
+            )
+            raise NonFiniteLossError(
+                f"loss is {loss.item()} at epoch {self.epoch + 1}, step {self.step + 1}: "
+                f"stopped before the optimizer step; {where}. Lower --lr, raise --warmup-epochs, "
+                f"keep --clip-grad, or train with --amp none/bf16 instead of fp16"
+            )
+
+    def train_epoch(self) -> Dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg, accum = self.cfg, self.cfg.grad_accum
+        self.net.train()
+        self.sampler.set_epoch(self.epoch)
+        sums = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
+        t0, seen = time.perf_counter(), 0
+        bar = tqdm(
+            self.train_loader,
+            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+            disable=not cfg.progress or self.dist.rank != 0,
+            dynamic_ncols=True,
+            leave=True,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(bar):
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                break
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            group = i // accum
+            in_group = min(accum, self.micro_per_epoch - group * accum)
+            last_micro = (i + 1) % accum == 0 or i + 1 == self.micro_per_epoch
+            # Micro-batches before the last one of a step only accumulate locally.
+            sync = nullcontext() if last_micro else dist_lib.no_sync(self.net)
+            with sync:
+                with self._autocast():
+                    logits = self.net(x)
+                    loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+                self._check_finite(loss)
+                self.scaler.scale(loss / in_group).backward()
+            n = y.shape[0]
+            sums += torch.tensor(
+                [loss.item() * n, (logits.argmax(-1) == y).sum().item(), n], dtype=torch.float64
+            )
+            seen += n
+            if not last_micro:
+                continue
+            if cfg.clip_grad is not None and cfg.clip_grad > 0:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.scheduler.step_update(num_updates=self.step)
+            self.step_losses.append(loss.item())
+            rate = seen * self.dist.world_size / (time.perf_counter() - t0)
+            bar.set_postfix(
+                loss=f"{sums[0].item() / sums[2].item():.4f}",
+                lr=f"{self.optimizer.param_groups[0]['lr']:.2e}",
+                samples_s=f"{rate:.0f}",
+                mem_mb=f"{_peak_mem_mb(self.device):.0f}",
+                refresh=False,
+            )
+        bar.close()
+        sums = dist_lib.all_reduce(sums, self.dist)
+        elapsed = time.perf_counter() - t0
+        return {
+            "train_loss": sums[0].item() / max(sums[2].item(), 1),
+            "train_acc": sums[1].item() / max(sums[2].item(), 1),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "time_s": elapsed,
+            "samples_per_s": sums[2].item() / elapsed,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Loss (plain cross-entropy) and accuracy on the validation set, over all processes."""
+        self.net.eval()
+        sums = torch.zeros(3, dtype=torch.float64)
+        for x, y in self.val_loader:
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                logits = self.model(x)  # the bare model: DDP needs no sync in evaluation
+            loss = F.cross_entropy(logits.float(), y, reduction="sum")
+            sums += torch.tensor(
+                [loss.item(), (logits.argmax(-1) == y).sum().item(), y.shape[0]],
+                dtype=torch.float64,
+            )
+        sums = dist_lib.all_reduce(sums, self.dist)
+        return {
+            "val_loss": sums[0].item() / sums[2].item(),
+            "val_acc": sums[1].item() / sums[2].item(),
+        }
+
+    def _append_metrics(self, record: Dict[str, Any]) -> None:
+        if self.dist.rank != 0:
+            return
+        os.makedirs(self.cfg.out, exist_ok=True)
+        with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def fit(self) -> Dict[str, Any]:
+        """Train from the current epoch to ``cfg.epochs`` (or evaluate only); return a summary."""
+        cfg = self.cfg
+        if cfg.eval_only:
+            metrics = {"type": "eval", "epoch": self.resume.epoch, **self.evaluate()}
+            self._append_metrics(metrics)
+            self._log(
+                f"eval {self.resume.path}: val_acc {metrics['val_acc']:.4f}, "
+                f"val_loss {metrics['val_loss']:.4f}"
+            )
+            return metrics
+        if self.dist.rank == 0:
+            os.makedirs(cfg.out, exist_ok=True)
+            with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self._log(
+            f"{self.model.model_name} ({n_params / 1e6:.2f}M params, engine {cfg.engine}) on "
+            f"{self.data.name}: {len(self.data.train)} train / {len(self.data.val)} val, "
+            f"{self.dist.world_size} process(es) on {self.device}, "
+            f"epochs {self.epoch + 1}-{cfg.epochs}"
+        )
+        start, t0, run_epochs = self.epoch, time.perf_counter(), 0
+        metrics: Dict[str, Any] = {}
+        while self.epoch < cfg.epochs:
+            if cfg.stop_after_epochs is not None and run_epochs >= cfg.stop_after_epochs:
+                break
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                break
+            record = self.train_epoch()
+            record.update(self.evaluate())
+            self.epoch += 1
+            run_epochs += 1
+            metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
+            metrics["peak_mem_mb"] = _peak_mem_mb(self.device)
+            self.save(metrics)
+            self._append_metrics(metrics)
+            self._log(
+                f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, val_loss "
+                f"{metrics['val_loss']:.4f}, val_acc {metrics['val_acc']:.4f} "
+                f"({metrics['samples_per_s']:.0f} samples/s)"
+            )
+        elapsed = time.perf_counter() - t0
+        summary = {
+            "type": "summary",
+            "model": self.model.model_name,
+            "engine": cfg.engine,
+            "epochs_run": self.epoch - start,
+            "epoch": self.epoch,
+            "step": self.step,
+            "final_val_acc": metrics.get("val_acc"),
+            "best_val_acc": self.best["val_acc"],
+            "best_epoch": self.best["epoch"],
+            "time_s": elapsed,
+            "peak_mem_mb": _peak_mem_mb(self.device),
+            "out": cfg.out,
+        }
+        self._append_metrics(summary)
+        if metrics:
+            self._log(
+                f"done: {summary['epochs_run']} epoch(s) in {elapsed:.1f}s; best val_acc "
+                f"{self.best['val_acc']:.4f} at epoch {self.best['epoch']}; "
+                f"checkpoints in {os.path.join(cfg.out, 'last')} and "
+                f"{os.path.join(cfg.out, 'best')}; metrics in "
+                f"{os.path.join(cfg.out, 'metrics.jsonl')}"
+            )
+        return summary
+
+
+def train(cfg: TrainConfig) -> Dict[str, Any]:
+    """Run ``cfg`` in this process, or in each process of a torchrun job."""
+    dist = dist_lib.init(cfg.device)
+    try:
+        return Trainer(cfg, dist).fit()
+    finally:
+        dist_lib.shutdown(dist)

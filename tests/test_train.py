@@ -1,0 +1,172 @@
+"""`pareprop train` and the trainer: engine agreement, exact resume, failures, the CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pareprop
+from pareprop.checkpoint import load_checkpoint, load_model
+from pareprop.cli.train import main, resolve_config
+from pareprop.trainer import TIMING_KEYS, TrainConfig, Trainer, param_groups
+
+MODEL = "rev_vit_tiny_patch4_32"
+TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=32, depth=2, num_heads=2)
+TINY_ARGS = [f"--model-arg={k}={v}" for k, v in TINY.items()]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        model=MODEL,
+        model_kwargs=dict(TINY, drop_path_rate=0.1),
+        epochs=3,
+        batch_size=256,
+        lr=2e-3,
+        warmup_epochs=1,
+        out=str(tmp_path),
+        progress=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _epochs(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS}
+        for r in records
+        if r["type"] == "epoch"
+    ]
+
+
+def test_training_losses_agree_across_engines(tmp_path):
+    # Acceptance: same seed, autograd against reversible (and pareprop), 20 steps, float32.
+    losses = {}
+    for engine in ("autograd", "reversible", "pareprop"):
+        cfg = _cfg(tmp_path / engine, engine=engine, epochs=1, batch_size=16, max_steps=20)
+        trainer = Trainer(cfg)
+        trainer.fit()
+        losses[engine] = torch.tensor(trainer.step_losses)
+    assert len(losses["autograd"]) == 20
+    assert losses["autograd"][-1] < losses["autograd"][0]  # it trains
+    for engine in ("reversible", "pareprop"):
+        diff = (losses[engine] - losses["autograd"]).abs().max().item()
+        assert diff < 1e-5, f"{engine}: max loss difference {diff}"
+
+
+def test_resume_gives_the_same_metrics(tmp_path):
+    # Dropout-like randomness (drop-path) and augmentation are on, so RNG state matters.
+    full = _cfg(tmp_path / "full")
+    Trainer(full).fit()
+    part = tmp_path / "part"
+    Trainer(_cfg(part, stop_after_epochs=1)).fit()
+    assert len(_epochs(part)) == 1
+    Trainer(_cfg(part, resume=str(part / "last"))).fit()
+    assert _epochs(part) == _epochs(tmp_path / "full")
+    a, b = load_model(tmp_path / "full" / "last"), load_model(part / "last")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert load_checkpoint(part / "last").step == load_checkpoint(tmp_path / "full" / "last").step
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch, capsys):
+    real, calls = F.cross_entropy, []
+
+    def poisoned(logits, target, **kw):
+        loss = real(logits, target, **kw)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) > 7:  # epoch 1 has 6 steps: NaN in epoch 2
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", poisoned)
+    out = tmp_path / "run"
+    argv = ["--model", MODEL, *TINY_ARGS, "--epochs", "3", "--batch-size", "256"]
+    rc = main(argv + ["--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "loss is nan at epoch 2" in err and "last good checkpoint" in err
+    ck = load_checkpoint(out / "last")
+    assert ck.epoch == 1 and ck.step == 6
+    weights = load_model(out / "last").state_dict()
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_cli_end_to_end_with_config_file_and_eval_only(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {MODEL}\nmodel_kwargs: {json.dumps(TINY)}\nepochs: 5\nbatch_size: 256\n"
+        "lr: 0.002\nengine: pareprop\n"
+    )
+    out = tmp_path / "out"
+    assert main(["--config", str(config), "--epochs", "1", "--out", str(out), "--no-progress"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["epochs"] == 1 and saved["engine"] == "pareprop" and saved["lr"] == 0.002
+    (epoch,) = _epochs(out)
+    assert epoch["epoch"] == 1 and epoch["step"] == 6
+    assert "done: 1 epoch(s)" in capsys.readouterr().err
+    model = pareprop.create_model(MODEL, **TINY)
+    ref = load_model(out / "best")
+    assert type(ref) is type(model) and ref.num_classes == 10
+
+    rc = main(["--resume", str(out / "last"), "--eval-only", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["type"] == "eval" and last["val_acc"] == epoch["val_acc"]
+
+
+def test_boolean_options_are_switches_and_flags_override_the_file(tmp_path):
+    cfg_file = tmp_path / "c.json"
+    cfg_file.write_text(json.dumps({"augment": False, "epochs": 7, "lr": 0.1}))
+    cfg = resolve_config(["--config", str(cfg_file), "--augment", "--lr", "0.01"])
+    assert cfg.augment is True and cfg.epochs == 7 and cfg.lr == 0.01
+    cfg = resolve_config(["--no-augment", "--download", "--clip-grad", "0"])
+    assert cfg.augment is False and cfg.download is True and cfg.clip_grad is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--amp", "fp8"], "invalid choice"),
+        (["--download", "False"], "unrecognized arguments: False"),
+        (["--epochs", "0"], "expected epochs >= 1"),
+        (["--model", "rev_vit_tiny_patch4"], "did you mean rev_vit_tiny_patch4_32"),
+        (["--engine", "magic"], "expected --engine one of autograd, reversible, pareprop"),
+        (["--eval-only"], "--eval-only needs a checkpoint"),
+        (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a CUDA device"),
+        (["--batch-size", "10", "--grad-accum", "3"], "divisible by processes x --grad-accum"),
+        (["--model-arg", "depth"], "expected --model-arg KEY=VALUE"),
+        (["--model-arg", "depthh=3"], "depthh"),
+    ],
+)
+def test_bad_flags(tmp_path, capsys, argv, message):
+    base = ["--model", MODEL, *TINY_ARGS, "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_inputs_from_files(tmp_path, capsys):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("epochs: 2\nlearning_rate: 0.1\n")
+    assert main(["--config", str(cfg_file)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown training option(s) learning_rate" in err and "lr" in err
+    assert main(["--resume", str(tmp_path / "nothing"), "--no-progress"]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    rc = main(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--model", MODEL, *TINY_ARGS])
+    assert rc == 2 and "--download" in capsys.readouterr().err
+
+
+def test_no_weight_decay_on_norms_biases_and_position_embeddings():
+    model = pareprop.create_model(MODEL, **TINY)
+    decay, no_decay = param_groups(model, 0.05)
+    ids = {id(p) for p in no_decay["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in ids}
+    assert no_decay["weight_decay"] == 0 and decay["weight_decay"] == 0.05
+    assert set(model.no_weight_decay()) <= names
+    assert all(model.get_parameter(n).ndim <= 1 or n in model.no_weight_decay() for n in names)
+    assert all(p.ndim >= 2 for p in decay["params"])
