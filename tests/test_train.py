@@ -170,3 +170,14 @@ def test_no_weight_decay_on_norms_biases_and_position_embeddings():
     assert set(model.no_weight_decay()) <= names
     assert all(model.get_parameter(n).ndim <= 1 or n in model.no_weight_decay() for n in names)
     assert all(p.ndim >= 2 for p in decay["params"])
+
+
+@pytest.mark.parametrize("name", ["digits", "cifar10_rev_vit_tiny", "cifar10_rev_mvitv2_tiny"])
+def test_recipes_parse_and_build(name):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = resolve_config(["--config", os.path.join(root, "configs", f"{name}.yaml")])
+    model = pareprop.create_model(cfg.model, **cfg.model_kwargs)
+    expected = (1, 8, 8) if cfg.dataset == "digits" else (3, 32, 32)
+    assert tuple(model.pretrained_cfg["input_size"]) == expected
+    if name == "digits":  # the file spells out the defaults of a bare `pareprop train`
+        assert cfg == TrainConfig(out=cfg.out)

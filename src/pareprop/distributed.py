@@ -47,7 +47,6 @@ __all__ = [
     "no_sync",
     "wrap_ddp",
     "check_wrapping",
-    "fsdp_per_block",
 ]
 
 
@@ -216,7 +215,3 @@ def wrap_ddp(
     if device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else 0])
     return nn.parallel.DistributedDataParallel(model, static_graph=static_graph, **ddp_kwargs)
-
-
-def fsdp_per_block(model: nn.Module, **kwargs: Any) -> nn.Module:  # filled in below
-    raise NotImplementedError
