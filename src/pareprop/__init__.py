@@ -1,5 +1,6 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
+from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
@@ -27,4 +28,6 @@ __all__ = [
     "list_models",
     "model_spec",
     "register_model",
+    "load_model",
+    "CheckpointError",
 ]
