@@ -21,18 +21,25 @@ keyword ``hw=(H, W)``; outside, the model keeps channels-last maps ``(B, H, W, C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, List, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.engine import set_engine as _set_engine
 from pareprop.layers import PatchEmbed, PoolingAttention, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
+from pareprop.models._base import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    ReversibleImageModelMixin,
+    drop_path_rates,
+    init_linears_,
+    make_head,
+)
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -43,9 +50,6 @@ __all__ = [
     "MViTStage",
     "MVIT_CONFIGS",
 ]
-
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ class MViTStage(nn.Module):
         return x
 
 
-class RevMViT(nn.Module):
+class RevMViT(ReversibleImageModelMixin, nn.Module):
     """Reversible multiscale vision transformer (MViTv2 pooling attention).
 
     Args:
@@ -324,8 +328,7 @@ class RevMViT(nn.Module):
         total_stride = cfg.patch_stride * 2 ** (self.num_stages - 1)
         self.min_size = (total_stride, total_stride)
 
-        # Stochastic depth grows linearly with depth; plain floats so meta-device builds work.
-        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         common = dict(
             mlp_ratio=cfg.mlp_ratio,
             qkv_bias=cfg.qkv_bias,
@@ -376,19 +379,8 @@ class RevMViT(nn.Module):
         self.num_features = width
         self.norm = nn.LayerNorm(width, eps=1e-6)
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = self._make_head(cfg.num_classes)
-        H, W = cfg.img_size
-        self.pretrained_cfg: Dict[str, Any] = {
-            "input_size": (cfg.in_chans, H, W),
-            "num_classes": cfg.num_classes,
-            "mean": tuple(cfg.mean),
-            "std": tuple(cfg.std),
-            "crop_pct": 0.9 if H >= 224 else 1.0,
-            "interpolation": "bicubic",
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-        }
-        self.default_cfg = self.pretrained_cfg
+        self.head = make_head(self.num_features, cfg.num_classes)
+        self._set_image_pretrained_cfg(crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0)
         self._init_weights()
 
     @staticmethod
@@ -405,20 +397,8 @@ class RevMViT(nn.Module):
                 f"got {w}; choose window_size a multiple of kv_stride * 2**stage"
             )
 
-    def _make_head(self, num_classes: int) -> nn.Module:
-        if num_classes == 0:
-            return nn.Identity()
-        head = nn.Linear(self.num_features, num_classes)
-        trunc_normal_(head.weight, std=0.02)
-        nn.init.zeros_(head.bias)
-        return head
-
     def _init_weights(self) -> None:
-        for m in self.stages.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_(self.stages)
 
     # -- timm model interface -------------------------------------------------------------
 
@@ -426,37 +406,12 @@ class RevMViT(nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if n.endswith(("rel_pos_h", "rel_pos_w"))}
 
-    def set_engine(self, name: str) -> RevMViT:
-        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
-        _set_engine(self, name)
-        return self
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise NotImplementedError(
-                "Rev-MViTv2 does not checkpoint: use set_engine('reversible') or "
-                "set_engine('pareprop'), which keep no per-block activations in its stacks"
-            )
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):
             raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self.num_classes = num_classes
-        self.cfg = replace(self.cfg, num_classes=num_classes)
-        self.pretrained_cfg["num_classes"] = num_classes
-        ref = self.norm.weight
-        self.head = self._make_head(num_classes).to(ref.device, ref.dtype)
-
-    def example_inputs(
-        self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
-    ) -> Tuple[torch.Tensor]:
-        """A random batch of the configured image size, for benchmarks and tests."""
-        C, H, W = self.pretrained_cfg["input_size"]
-        return (torch.randn(batch_size, C, H, W, device=device, dtype=dtype),)
+        self._replace_head(num_classes)
+        self.head.to(self.norm.weight.device, self.norm.weight.dtype)
 
     # -- forward --------------------------------------------------------------------------
 

@@ -24,16 +24,22 @@ from typing import Any, Dict, Set, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
+from timm.layers import DropPath, Mlp, to_2tuple
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.engine import set_engine as _set_engine
 from pareprop.layers.window_attention import (
     WindowAttention,
     padded_size,
     window_mask,
     window_partition,
     window_reverse,
+)
+from pareprop.models._base import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    ReversibleImageModelMixin,
+    init_weights_,
+    make_head,
 )
 from pareprop.models._registry import register_model
 
@@ -300,12 +306,14 @@ class RevSwinStage(nn.Module):
         return x
 
 
-class RevSwin(nn.Module):
+class RevSwin(ReversibleImageModelMixin, nn.Module):
     """Reversible Swin Transformer for image classification.
 
     Args:
         cfg: Model configuration; see :class:`SwinConfig`.
     """
+
+    _cfg_records_engine = True  # SwinConfig is mutable
 
     def __init__(self, cfg: SwinConfig) -> None:
         super().__init__()
@@ -342,75 +350,17 @@ class RevSwin(nn.Module):
         self.num_features = 2 * cfg.embed_dim * 2 ** (n - 1)
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = (
-            nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
-        )
-        self.pretrained_cfg = {
-            "input_size": (cfg.in_chans, *cfg.img_size),
-            "num_classes": cfg.num_classes,
-            "mean": cfg.mean,
-            "std": cfg.std,
-            "interpolation": "bicubic",
-            "crop_pct": 0.9,
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-        }
-        self.default_cfg = self.pretrained_cfg
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-    def set_engine(self, name: str) -> RevSwin:
-        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
-        if name not in ENGINES:
-            raise ValueError(f"expected engine in {ENGINES}, got {name!r}")
-        _set_engine(self, name)
-        self.cfg.engine = name
-        return self
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise NotImplementedError(
-                "RevSwin does not store block activations in the first place: use "
-                "set_engine('reversible') or set_engine('pareprop') instead of checkpointing"
-            )
+        # Initialised with everything else by the apply below.
+        self.head = make_head(self.num_features, cfg.num_classes, init=False)
+        self._set_image_pretrained_cfg(crop_pct=0.9)
+        self.apply(init_weights_)
 
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
     def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.cfg.num_classes = num_classes
-        self.pretrained_cfg["num_classes"] = num_classes
         w = self.norm.weight  # the new head lives where the model lives
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        if num_classes > 0:
-            self._init_weights(self.head)
-
-    def example_inputs(
-        self,
-        batch_size: int,
-        device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> Tuple[torch.Tensor]:
-        """Random images of the configured size: ``(x,)`` with x of shape (B, C, H, W)."""
-        return (
-            torch.randn(
-                batch_size, self.cfg.in_chans, *self.cfg.img_size, device=device, dtype=dtype
-            ),
-        )
+        self._replace_head(num_classes, device=w.device, dtype=w.dtype)
 
     def _check_input(self, x: torch.Tensor) -> None:
         p, c = self.cfg.patch_size, self.cfg.in_chans
@@ -466,8 +416,8 @@ SWIN_VARIANTS: Dict[str, SwinConfig] = {
         num_classes=10,
         **_sizes(96, (2, 2, 6, 2)),
         drop_path_rate=0.1,
-        mean=(0.4914, 0.4822, 0.4465),
-        std=(0.2470, 0.2435, 0.2616),
+        mean=CIFAR_MEAN,
+        std=CIFAR_STD,
     ),
 }
 

@@ -33,8 +33,8 @@ from timm.layers import DropPath, Mlp
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.engine import set_engine as _set_engine
 from pareprop.layers.attention import attend
+from pareprop.models._base import ClassifierMixin, ReversibleModelMixin, init_weights_, make_head
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -187,7 +187,7 @@ class RevTextBlock(ReversibleBlock):
         return self.drop_path(self.mlp(self.norm2(x)))
 
 
-class _TextModel(nn.Module):
+class _TextModel(ClassifierMixin, nn.Module):
     """Inputs, embeddings, pooling and head shared by the reversible model and the baseline."""
 
     def __init__(self, cfg: TextConfig, num_features: int) -> None:
@@ -198,34 +198,25 @@ class _TextModel(nn.Module):
         self.embeddings = TextEmbeddings(cfg)
         self.norm = nn.LayerNorm(num_features, eps=cfg.layer_norm_eps)
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = (
-            nn.Linear(num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        # Initialised with everything else by the subclass's apply(self._init_weights).
+        self.head = make_head(num_features, cfg.num_classes, init=False)
+        # Text has no pixel statistics; mean and std are kept so every model has the same keys.
+        self._set_pretrained_cfg(
+            (cfg.example_seq_len,),
+            None,
+            None,
+            vocab_size=cfg.vocab_size,
+            pad_token_id=cfg.pad_token_id,
         )
-        self.pretrained_cfg = {
-            "input_size": (cfg.example_seq_len,),
-            "num_classes": cfg.num_classes,
-            # Text has no pixel statistics; kept so every model exposes the same keys.
-            "mean": None,
-            "std": None,
-            "vocab_size": cfg.vocab_size,
-            "pad_token_id": cfg.pad_token_id,
-            "classifier": "head",
-        }
-        self.default_cfg = self.pretrained_cfg
 
     def _init_weights(self, m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
+        """RoBERTa's initialisation: plain (untruncated) normals with std 0.02."""
+        init_weights_(m, truncated=False)
+        if isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
             if m.padding_idx is not None:
                 with torch.no_grad():
                     m.weight[m.padding_idx].zero_()
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
     def _check_inputs(
         self,
@@ -336,17 +327,8 @@ class _TextModel(nn.Module):
         return {"embeddings.position_embeddings.weight"}
 
     def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.cfg.num_classes = num_classes
-        self.pretrained_cfg["num_classes"] = num_classes
         w = self.norm.weight  # the new head lives where the model lives
-        self.head = (
-            nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
-            if num_classes > 0
-            else nn.Identity()
-        )
-        if num_classes > 0:
-            self._init_weights(self.head)
+        self._replace_head(num_classes, truncated=False, device=w.device, dtype=w.dtype)
 
     def example_inputs(
         self,
@@ -368,12 +350,14 @@ class _TextModel(nn.Module):
         return ids, mask
 
 
-class RevTextEncoder(_TextModel):
+class RevTextEncoder(ReversibleModelMixin, _TextModel):
     """Reversible RoBERTa-style encoder for sequence classification (``num_features = 2C``).
 
     Args:
         cfg: Model configuration; see :class:`TextConfig`.
     """
+
+    _cfg_records_engine = True  # TextConfig is mutable
 
     def __init__(self, cfg: TextConfig) -> None:
         if not cfg.reversible:
@@ -391,21 +375,6 @@ class RevTextEncoder(_TextModel):
         kwargs = {} if bool(mask.all()) else {"attn_mask": mask[:, None, None, :]}
         x1, x2 = self.blocks(x, x, **kwargs)
         return torch.cat([x1, x2], dim=-1)  # (B, L, 2C)
-
-    def set_engine(self, name: str) -> RevTextEncoder:
-        """Switch the reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
-        if name not in ENGINES:
-            raise ValueError(f"expected engine in {ENGINES}, got {name!r}")
-        _set_engine(self, name)
-        self.cfg.engine = name
-        return self
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise NotImplementedError(
-                "RevTextEncoder does not store block activations in the first place: use "
-                "set_engine('reversible') or set_engine('pareprop') instead of checkpointing"
-            )
 
 
 class TextEncoder(_TextModel):

@@ -10,7 +10,7 @@ the patch tokens and ends with the two streams side by side (width 2C), so the h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Set, Tuple, Union
 
 import torch
@@ -19,15 +19,19 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, trunc_normal_
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.engine import set_engine as _set_engine
 from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
+from pareprop.models._base import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    ReversibleImageModelMixin,
+    drop_path_rates,
+    init_linears_,
+    make_head,
+)
 from pareprop.models._registry import register_model
 
 __all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS"]
-
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class RevViTBlock(ReversibleBlock):
         return self.drop_path2(self.mlp(self.norm2(x)))
 
 
-class RevViT(nn.Module):
+class RevViT(ReversibleImageModelMixin, nn.Module):
     """Reversible Vision Transformer.
 
     Args:
@@ -120,17 +124,7 @@ class RevViT(nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.num_features = 2 * cfg.embed_dim
-        self.pretrained_cfg: Dict[str, Any] = {
-            "input_size": (cfg.in_chans, H, W),
-            "num_classes": cfg.num_classes,
-            "mean": tuple(cfg.mean),
-            "std": tuple(cfg.std),
-            "crop_pct": 0.9 if H >= 224 else 1.0,
-            "interpolation": "bicubic",
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-        }
-        self.default_cfg = self.pretrained_cfg
+        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0)
 
         self.patch_embed = PatchEmbed(
             cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
@@ -139,8 +133,7 @@ class RevViT(nn.Module):
         num_patches = self.grid_size[0] * self.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, cfg.embed_dim))
 
-        # Stochastic depth grows linearly with depth; plain floats so meta-device builds work.
-        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         blocks = [
             RevViTBlock(
                 cfg.embed_dim,
@@ -156,24 +149,12 @@ class RevViT(nn.Module):
         self.stack = ReversibleStack(blocks, engine=cfg.engine)
         self.fc_norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = self._make_head(cfg.num_classes)
+        self.head = make_head(self.num_features, cfg.num_classes)
         self._init_weights()
-
-    def _make_head(self, num_classes: int) -> nn.Module:
-        if num_classes == 0:
-            return nn.Identity()
-        head = nn.Linear(self.num_features, num_classes)
-        trunc_normal_(head.weight, std=0.02)
-        nn.init.zeros_(head.bias)
-        return head
 
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.stack.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_(self.stack)
 
     # -- timm model interface -------------------------------------------------------------
 
@@ -181,36 +162,12 @@ class RevViT(nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {"pos_embed"}
 
-    def set_engine(self, name: str) -> RevViT:
-        """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
-        _set_engine(self, name)
-        return self
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise NotImplementedError(
-                "Rev-ViT does not checkpoint: use set_engine('reversible') or "
-                "set_engine('pareprop'), which keep no per-block activations at all"
-            )
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):
             raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self.num_classes = num_classes
-        self.cfg = replace(self.cfg, num_classes=num_classes)
-        self.pretrained_cfg["num_classes"] = num_classes
-        self.head = self._make_head(num_classes).to(self.pos_embed.device, self.pos_embed.dtype)
-
-    def example_inputs(
-        self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
-    ) -> Tuple[torch.Tensor]:
-        """A random batch of the configured image size, for benchmarks and tests."""
-        C, H, W = self.pretrained_cfg["input_size"]
-        return (torch.randn(batch_size, C, H, W, device=device, dtype=dtype),)
+        self._replace_head(num_classes)
+        self.head.to(self.pos_embed.device, self.pos_embed.dtype)
 
     # -- forward --------------------------------------------------------------------------
 
