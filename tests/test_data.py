@@ -106,3 +106,11 @@ def test_two_processes_cover_the_same_global_batches():
     for k in range(len(data) // b):
         joint = parts[0][k * b // 2 : (k + 1) * b // 2] + parts[1][k * b // 2 : (k + 1) * b // 2]
         assert sorted(joint) == sorted(order[k * b : (k + 1) * b])
+
+
+def test_empty_image_folder_says_what_is_wrong(tmp_path):
+    with pytest.raises(DatasetNotFoundError, match="<class>/<image>"):
+        build_datasets(str(tmp_path), (3, 16, 16))
+    os.makedirs(tmp_path / "class0")  # a class folder without images
+    with pytest.raises(DatasetNotFoundError, match="<class>/<image>"):
+        build_datasets(str(tmp_path), (3, 16, 16))

@@ -177,3 +177,19 @@ def test_torchrun_resume_continues_from_the_saved_step(tmp_path):
     assert [r["epoch"] for r in epochs] == [1, 2]
     assert epochs[1]["step"] == 2 * epochs[0]["step"] == 12
     assert "epochs 2-2" in second.stderr
+
+
+def test_init_without_cuda_joins_with_gloo(monkeypatch):
+    # --device cuda on a machine without CUDA: join with gloo, so that the trainer can say
+    # what is wrong, instead of failing inside torch.cuda.set_device.
+    from pareprop import distributed
+
+    joined = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "init_process_group", lambda backend: joined.update(b=backend))
+    monkeypatch.setattr(tdist, "get_rank", lambda: 0)
+    monkeypatch.setattr(tdist, "get_world_size", lambda: 2)
+    info = distributed.init("cuda")
+    assert joined == {"b": "gloo"} and info.backend == "gloo"

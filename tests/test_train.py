@@ -181,3 +181,86 @@ def test_recipes_parse_and_build(name):
     assert tuple(model.pretrained_cfg["input_size"]) == expected
     if name == "digits":  # the file spells out the defaults of a bare `pareprop train`
         assert cfg == TrainConfig(out=cfg.out)
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, capsys, clip):
+    # A finite loss whose step still ruins the weights (the last step of epoch 2): with
+    # clipping the gradient norm catches it before the step; without, the validation loss
+    # does, before the NaN weights could replace the good epoch-1 checkpoint as 'last'.
+    real, calls = torch.optim.AdamW.step, []
+
+    def poisoned(self, *args, **kwargs):
+        if len(calls) == 11:  # 6 steps per epoch: the 12th step ends epoch 2
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.fill_(float("inf"))
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    out = tmp_path / "run"
+    argv = ["--model", MODEL, *TINY_ARGS, "--epochs", "3", "--batch-size", "256"]
+    rc = main(argv + ["--clip-grad", clip, "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "last good checkpoint" in err
+    ck = load_checkpoint(out / "last")
+    assert ck.epoch == 1 and ck.step == 6
+    assert all(torch.isfinite(t).all() for t in load_model(out / "last").state_dict().values())
+
+
+def test_config_file_values_are_type_checked(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 1e-3\nepochs: 2\nclip_grad: 0\n")  # YAML reads 1e-3 as a string
+    cfg = resolve_config(["--config", str(cfg_file)])
+    assert cfg.lr == 1e-3 and isinstance(cfg.lr, float) and cfg.clip_grad is None
+    for text, message in [
+        ('augment: "false"\n', "expected augment true or false"),
+        ("epochs: 2.5\n", "expected epochs to be an integer"),
+        ("lr: fast\n", "expected lr to be a number"),
+        ("model_kwargs: 3\n", "expected model_kwargs to be a mapping"),
+    ]:
+        cfg_file.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            resolve_config(["--config", str(cfg_file)])
+
+
+def test_model_arg_changes_the_preset_instead_of_replacing_it(tmp_path):
+    from pareprop.trainer import PRESETS
+
+    preset = PRESETS[(MODEL, "digits")]
+    cfg = resolve_config(["--model-arg", "depth=2"])
+    assert cfg.model_kwargs == {**preset, "depth": 2}
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model_kwargs: {embed_dim: 32}\n")
+    cfg = resolve_config(["--config", str(cfg_file), "--model-arg", "depth=2"])
+    assert cfg.model_kwargs == {"embed_dim": 32, "depth": 2}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--label-smoothing", "2"], "expected label_smoothing in [0, 1]"),
+        (["--warmup-epochs", "-1"], "expected warmup_epochs >= 0"),
+        (["--weight-decay", "-1"], "expected weight_decay >= 0"),
+        (["--clip-grad", "-1"], "expected clip_grad > 0"),
+        (["--lr", "nan"], "expected a positive learning rate"),
+        (["--max-steps", "0"], "expected max_steps >= 1"),
+        (["--stop-after-epochs", "0"], "expected stop_after_epochs >= 1"),
+        (["--device", "gpu0"], "expected --device auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_out_of_range_flags(tmp_path, capsys, argv, message):
+    base = ["--model", MODEL, *TINY_ARGS, "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_unreadable_config_files(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: [\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path)]) == 2
+    assert "is not a file" in capsys.readouterr().err

@@ -237,10 +237,19 @@ def image_folder(
     val_tf = v2.Compose(
         head + [v2.Resize(img_size * 8 // 7, antialias=True), v2.CenterCrop(img_size)] + tail
     )
+
+    def load(folder: str, transform: Callable) -> torchvision.datasets.ImageFolder:
+        try:
+            return torchvision.datasets.ImageFolder(folder, transform=transform)
+        except FileNotFoundError as e:  # no class folders, or no images in them
+            raise _missing(
+                "image folder", folder, f"give a folder laid out as <class>/<image> ({e})"
+            ) from e
+
     train_dir, val_dir = os.path.join(path, "train"), os.path.join(path, "val")
     if os.path.isdir(train_dir) and os.path.isdir(val_dir):
-        train = torchvision.datasets.ImageFolder(train_dir, transform=train_tf)
-        val = torchvision.datasets.ImageFolder(val_dir, transform=val_tf)
+        train = load(train_dir, train_tf)
+        val = load(val_dir, val_tf)
         if val.classes != train.classes:
             raise ValueError(
                 f"expected the same classes in {train_dir!r} and {val_dir!r}, got "
@@ -248,8 +257,13 @@ def image_folder(
             )
         num_classes = len(train.classes)
     else:
-        full_train = torchvision.datasets.ImageFolder(path, transform=train_tf)
-        full_val = torchvision.datasets.ImageFolder(path, transform=val_tf)
+        full_train = load(path, train_tf)
+        full_val = load(path, val_tf)
+        if len(full_train) < 2:
+            raise ValueError(
+                f"expected at least 2 images in {path!r} (one to train on, one to validate), "
+                f"got {len(full_train)}"
+            )
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(len(full_train), generator=g).tolist()
         n_val = max(1, int(round(val_fraction * len(perm))))

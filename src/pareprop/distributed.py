@@ -85,7 +85,8 @@ def init(device: str = "auto") -> DistInfo:
     if not tdist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda")
+    # Without CUDA, --device cuda joins with gloo and the trainer then says what is wrong.
+    use_cuda = torch.cuda.is_available() and (device == "auto" or device.startswith("cuda"))
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(local_rank)

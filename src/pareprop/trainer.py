@@ -95,12 +95,28 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "stop_after_epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"expected {name} >= 1 (or unset), got {value}")
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if self.model_kwargs is None:
             self.model_kwargs = dict(PRESETS.get((self.model, self.dataset), {}))
-        if self.lr <= 0:
+        if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"expected a positive learning rate, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"expected weight_decay >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise ValueError(f"expected warmup_epochs >= 0, got {self.warmup_epochs}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"expected label_smoothing in [0, 1], got {self.label_smoothing}")
+        if self.clip_grad == 0:
+            self.clip_grad = None  # documented: 0 disables clipping
+        if self.clip_grad is not None and not (
+            math.isfinite(self.clip_grad) and self.clip_grad > 0
+        ):
+            raise ValueError(f"expected clip_grad > 0 (or 0 for none), got {self.clip_grad}")
 
     @classmethod
     def fields(cls) -> List[str]:
@@ -108,12 +124,51 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> TrainConfig:
+        """Build from a mapping (a config file), checking each value against its field's type.
+
+        YAML gives strings for some numbers (``1e-3`` without a dot) and a file may say
+        ``augment: "false"``; both must not slip through as a string.
+        """
         unknown = sorted(set(d) - set(cls.fields()))
         if unknown:
             raise ValueError(
                 f"unknown training option(s) {', '.join(unknown)}; valid: {', '.join(cls.fields())}"
             )
-        return cls(**d)
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        return cls(**{k: _coerce(k, v, types[k]) for k, v in d.items()})
+
+
+def _coerce(name: str, value: Any, type_name: str) -> Any:
+    """``value`` as the type named ``type_name`` (``int``, ``Optional[float]``, ...)."""
+    optional = type_name.startswith("Optional[")
+    base = type_name[len("Optional[") : -1] if optional else type_name
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"expected a value for {name}, got null")
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected {name} true or false, got {value!r}")
+    if base in ("int", "float"):
+        if not isinstance(value, bool):
+            try:
+                number = float(value)
+                if base == "float":
+                    return number
+                if number.is_integer():
+                    return int(number)
+            except (TypeError, ValueError):
+                pass
+        kind = "an integer" if base == "int" else "a number"
+        raise ValueError(f"expected {name} to be {kind}, got {value!r}")
+    if base == "str":
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected {name} to be a string, got {value!r}")
+    if base.startswith("Dict") and not isinstance(value, dict):
+        raise ValueError(f"expected {name} to be a mapping (KEY: VALUE, ...), got {value!r}")
+    return value
 
 
 class NonFiniteLossError(RuntimeError):
@@ -145,7 +200,10 @@ def _peak_mem_mb(device: torch.device) -> float:
 def _resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"expected --device auto, cpu, cuda or cuda:N, got {name!r}") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
@@ -337,19 +395,19 @@ class Trainer:
         if self.dist.rank == 0:
             print(msg, file=sys.stderr, flush=True)
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
-        ok = torch.isfinite(loss.detach()).to(torch.float32).reshape(1)
+    def _kept(self) -> str:
+        if self.last_checkpoint:
+            return f"the last good checkpoint {self.last_checkpoint!r} is kept"
+        return "no checkpoint was written yet"
+
+    def _check_finite(self, value: torch.Tensor, what: str = "loss") -> None:
+        ok = torch.isfinite(value.detach()).to(torch.float32).reshape(1)
         ok = dist_lib.all_reduce(ok, self.dist, op="min")
         if ok.item() < 1:
-            where = (
-                f"the last good checkpoint {self.last_checkpoint!r} is kept"
-                if self.last_checkpoint
-                else "no checkpoint was written yet"
-            )
             raise NonFiniteLossError(
-                f"loss is {loss.item()} at epoch {self.epoch + 1}, step {self.step + 1}: "
-                f"stopped before the optimizer step; {where}. Lower --lr, raise --warmup-epochs, "
-                f"keep --clip-grad, or train with --amp none/bf16 instead of fp16"
+                f"{what} is {value.item()} at epoch {self.epoch + 1}, step {self.step + 1}: "
+                f"stopped before the optimizer step; {self._kept()}. Lower --lr, raise "
+                f"--warmup-epochs, keep --clip-grad, or train with --amp none/bf16 instead of fp16"
             )
 
     def train_epoch(self) -> Dict[str, Any]:
@@ -393,7 +451,11 @@ class Trainer:
                 continue
             if cfg.clip_grad is not None and cfg.clip_grad > 0:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+                # With fp16 the scaler skips a step whose gradients overflowed; otherwise a
+                # non-finite gradient (finite loss) would turn every weight into NaN.
+                if not self.scaler.is_enabled():
+                    self._check_finite(norm, "the gradient norm")
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
@@ -481,6 +543,14 @@ class Trainer:
             run_epochs += 1
             metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
             metrics["peak_mem_mb"] = _peak_mem_mb(self.device)
+            if not math.isfinite(metrics["val_loss"]):
+                # Non-finite weights (a step that overflowed without a non-finite loss) must
+                # not become 'last': that would lose the last good checkpoint.
+                raise NonFiniteLossError(
+                    f"validation loss is {metrics['val_loss']} after epoch {self.epoch}: the "
+                    f"weights are no longer finite and were not saved; {self._kept()}. Lower "
+                    f"--lr, raise --warmup-epochs or keep --clip-grad"
+                )
             self.save(metrics)
             self._append_metrics(metrics)
             self._log(

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from pareprop.trainer import AMP_MODES, TrainConfig
+from pareprop.trainer import AMP_MODES, PRESETS, TrainConfig
 
 __all__ = ["main", "build_parser", "resolve_config"]
 
@@ -87,16 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_file(path: str) -> Dict[str, Any]:
-    if not os.path.exists(path):
-        raise ValueError(f"config file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(text)
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path!r} does not exist (or is not a file)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        kind = "JSON" if path.endswith(".json") else "YAML"
+        raise ValueError(f"cannot read config file {path!r} as {kind}: {e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -123,11 +124,18 @@ def resolve_config(argv: Sequence[str]) -> TrainConfig:
     if "config" in ns:
         values.update(_load_file(ns.pop("config")))
     model_args = _parse_model_args(ns.pop("model_args", []))
-    if model_args:
-        values["model_kwargs"] = {**values.get("model_kwargs", {}), **model_args}
     values.update(ns)
-    if values.get("clip_grad") == 0:
-        values["clip_grad"] = None
+    if model_args:
+        # --model-arg changes fields of the model that would otherwise be built: the file's
+        # model_kwargs, else the preset for (model, dataset); it does not discard the rest.
+        base = values.get("model_kwargs")
+        if base is None:
+            d = TrainConfig()
+            key = (values.get("model", d.model), values.get("dataset", d.dataset))
+            base = PRESETS.get(key, {})
+        if not isinstance(base, dict):
+            raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
+        values["model_kwargs"] = {**base, **model_args}
     return TrainConfig.from_dict(values)
 
 
