@@ -354,3 +354,31 @@ def test_attention_dropout_is_replayed_exactly():
     stack = pareprop.ReversibleStack([AttentionBlock() for _ in range(3)])
     report = engine_errors(stack, (torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)))
     _assert_agree(report)
+
+
+class FlagRecordingBlock(MixerBlock):
+    """Records the SDPA switch and cuDNN benchmark flag seen by each call of F."""
+
+    seen = []
+
+    def f(self, x, **kwargs):
+        FlagRecordingBlock.seen.append(
+            (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cudnn.benchmark)
+        )
+        return super().f(x, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["reversible", "pareprop"])
+def test_backend_flags_of_forward_are_replayed_in_recomputation(name):
+    FlagRecordingBlock.seen.clear()
+    stack = pareprop.ReversibleStack([FlagRecordingBlock(), FlagRecordingBlock()], engine=name)
+    x = torch.randn(2, 3, DIM)
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cudnn.benchmark)
+    torch.backends.cuda.enable_flash_sdp(not before[0])
+    with torch.backends.cudnn.flags(enabled=True, benchmark=not before[1]):
+        y1, y2 = stack(x, x)
+    torch.backends.cuda.enable_flash_sdp(before[0])
+    (y1 * y2).sum().backward()
+    flipped = (not before[0], not before[1])
+    assert FlagRecordingBlock.seen == [flipped] * 4  # 2 in forward, 2 in recomputation
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cudnn.benchmark) == before

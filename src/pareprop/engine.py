@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -142,6 +142,74 @@ class _AutocastState:
             yield
 
 
+# NOTE [ Backend flags in recomputation ]
+# Which SDPA kernels may run, cuDNN's switches and the TF32 / float32 precision settings are
+# process-global flags, usually set by a context manager around forward
+# (torch.nn.attention.sdpa_kernel, torch.backends.cudnn.flags) that has exited by the time
+# backward recomputes. A different kernel gives F and G slightly different values, which
+# subtraction then carries into the rebuilt inputs. So forward captures these flags and
+# recomputation runs under them, restoring the current ones after each block. Randomness does
+# not depend on them: attention dropout is drawn by nn.functional.dropout, never inside a fused
+# kernel (pareprop.layers.attend). Not replayed: torch.use_deterministic_algorithms (a process
+# setting users do not toggle around one forward) and per-call kernel choices made inside F or
+# G themselves, which run again as written.
+
+_SDP_SWITCHES = ("flash_sdp", "mem_efficient_sdp", "math_sdp", "cudnn_sdp")
+
+
+def _precision_switches() -> List[Tuple[Any, str]]:
+    """(owner, attribute) of the TF32 / float32-precision switches this torch has.
+
+    torch >= 2.9 has per-backend ``fp32_precision`` settings and raises when its legacy flags
+    are read after the new ones were set, so only one family is read and written."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    if hasattr(cuda.matmul, "fp32_precision"):
+        return [(cuda.matmul, "fp32_precision"), (cudnn.conv, "fp32_precision"),
+                (cudnn.rnn, "fp32_precision")]
+    return [(cuda.matmul, "allow_tf32"), (cudnn, "allow_tf32")]
+
+
+def _backend_switches() -> Tuple[Tuple[Any, str, Any], ...]:
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    switches: List[Tuple[Any, str, Any]] = [
+        (cuda, name, bool(getattr(cuda, f"{name}_enabled")()))
+        for name in _SDP_SWITCHES
+        if hasattr(cuda, f"{name}_enabled")  # cudnn_sdp is torch >= 2.2
+    ]
+    switches += [(cudnn, name, getattr(cudnn, name)) for name in ("enabled", "benchmark",
+                                                                  "deterministic")]
+    switches += [(owner, name, getattr(owner, name)) for owner, name in _precision_switches()]
+    return tuple(switches)
+
+
+def _set_switch(owner: Any, name: str, value: Any) -> None:
+    if name in _SDP_SWITCHES:
+        getattr(owner, f"enable_{name}")(value)
+    else:
+        setattr(owner, name, value)
+
+
+@dataclass(frozen=True)
+class _BackendState:
+    switches: Tuple[Tuple[Any, str, Any], ...]
+
+    @staticmethod
+    def capture() -> "_BackendState":
+        return _BackendState(_backend_switches())
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        current = _backend_switches()
+        changed = [(want, now) for want, now in zip(self.switches, current) if want[2] != now[2]]
+        for (owner, name, value), _ in changed:
+            _set_switch(owner, name, value)
+        try:
+            yield
+        finally:
+            for _, (owner, name, value) in reversed(changed):
+                _set_switch(owner, name, value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward coupling, shared by every engine.
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +235,8 @@ def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str
 class _BlockRecord:
     """What forward leaves for one block's recomputation (and for the debug check)."""
 
-    f_rng: _RngState
-    g_rng: _RngState
+    f_rng: Optional[_RngState]  # None for a stored block, which is not recomputed
+    g_rng: Optional[_RngState]
     inputs: Optional[Tuple[Tensor, Tensor]] = None
 
 
@@ -212,8 +280,15 @@ class _Plan:
     num_params: int
     device: torch.device
     autocast: _AutocastState
+    backends: _BackendState
+    # Per block: True when the block keeps its graph from forward (see NOTE [ Stored blocks ]).
+    stored: Sequence[bool]
     debug_tolerance: Optional[float] = None
     records: List[_BlockRecord] = field(default_factory=list)
+    # Per block: the graphs a stored block built in forward, until backward consumes them.
+    graphs: List[Optional["_Rebuilt"]] = field(default_factory=list)
+    # Called around each stored block's forward (pareprop.budget measures blocks with it).
+    probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
     reconstruction_errors: List[Tuple[float, float]] = field(default_factory=list)
 
 
@@ -262,7 +337,7 @@ class _Rebuilt:
     g_out: Tensor
     x2: Tensor  # leaf: the reconstructed second input, input of F
     f_out: Tensor
-    x1: Tensor  # reconstructed first input (no graph)
+    x1: Optional[Tensor]  # reconstructed first input (no graph); None where nobody needs it
 
 
 def _relative_error(a: Tensor, b: Tensor) -> float:
@@ -271,8 +346,11 @@ def _relative_error(a: Tensor, b: Tensor) -> float:
 
 
 def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
+    if plan.stored[index]:
+        return _take_stored(plan, index)
     block, record = plan.blocks[index], plan.records[index]
-    with torch.enable_grad(), plan.autocast.replay(), _forward_parameters(plan, index):
+    with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
+            _forward_parameters(plan, index):
         y1 = y1.detach().requires_grad_(True)
         record.g_rng.restore(plan.device)
         g_out = _call_checked(block, "g", y1, plan.kwargs)
@@ -285,6 +363,49 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     return _Rebuilt(y1, g_out, x2, f_out, x1)
+
+
+# NOTE [ Stored blocks ]
+# A stored block keeps its graphs from forward, as under autograd, and is not recomputed: the
+# memory dial of pareprop.set_memory_budget. In forward it builds exactly the two local graphs
+# that recover() would rebuild (F from a leaf X2, G from a leaf Y1), so grads() treats stored
+# and rebuilt blocks alike, and the saved tensors are autograd's own (so activation_bytes and
+# torch's memory tools see them). Its outputs are not kept: the block above rebuilds them, or
+# keeps them in its own graph if it is stored too. Its input X1 is kept only when the block
+# below is recomputed, which needs it (X2 is in the graph of F already). The whole stack stays
+# one autograd Function, so parameters are still its inputs and PaReprop's schedule is
+# unchanged: recover() of a stored block hands over its graphs, and its grads run on the main
+# stream, where its forward kernels ran, overlapping with the recover of the block below.
+
+
+def _store(
+    block: ReversibleBlock,
+    x1: Tensor,
+    x2: Tensor,
+    kwargs: Dict[str, Any],
+    keep_x1: bool,
+) -> _Rebuilt:
+    """Forward of a stored block, building the graphs that recover() would rebuild."""
+    with torch.enable_grad():
+        x2_leaf = x2.detach().requires_grad_(True)
+        f_out = _call_checked(block, "f", x2_leaf, kwargs)
+        with torch.no_grad():
+            y1 = x1 + f_out
+        y1_leaf = y1.detach().requires_grad_(True)
+        g_out = _call_checked(block, "g", y1_leaf, kwargs)
+    return _Rebuilt(y1_leaf, g_out, x2_leaf, f_out, x1 if keep_x1 else None)
+
+
+def _take_stored(plan: _Plan, index: int) -> _Rebuilt:
+    rebuilt = plan.graphs[index]
+    if rebuilt is None:
+        raise RuntimeError(
+            f"block {index} is stored and its graph was freed by an earlier backward; a second "
+            "backward through a stack with stored blocks is not supported, even with "
+            "retain_graph=True (call stack.store_blocks([]) to recompute every block)"
+        )
+    plan.graphs[index] = None  # freed as soon as its gradients are computed, as under autograd
+    return rebuilt
 
 
 def _check_reconstruction(
@@ -318,7 +439,6 @@ def _grads(
     dy1: Tensor,
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
-    lanes: "_Lanes",
 ) -> Tuple[Tensor, Tensor]:
     owned = plan.block_params[index]
     params = [p for _, p in owned]
@@ -327,20 +447,14 @@ def _grads(
     dy1_total = dy1 if g_in is None else dy1 + g_in
     # Y1 = X1 + F(X2): the total dY1 flows into F, whose input gradient joins dY2.
     f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
-    # Autograd may have summed a gradient on another stream (a parameter used twice in F).
-    for grad in (g_in, f_in, *g_params, *f_params):
-        lanes.hand_over(grad, index)
     dx2 = dy2 if f_in is None else dy2 + f_in
     for (slot, _), gg, fg in zip(owned, g_params, f_params):
         for grad in (gg, fg):
             if grad is None:
                 continue
             previous = param_grads[slot]
-            if previous is None:
-                param_grads[slot] = grad
-            else:  # a parameter shared by F and G, or by several blocks
-                lanes.hand_over(previous, index)
-                param_grads[slot] = previous + grad
+            # a parameter shared by F and G, or by several blocks, sums its gradients
+            param_grads[slot] = grad if previous is None else previous + grad
     return dy1_total, dx2
 
 
@@ -349,12 +463,32 @@ def _grads(
 # (from grads(l+1)) and block l's rebuilt graphs. So after recover(L), each step l runs
 # recover(l-1) and grads(l) at once. Block l's recover and grads share one stream (autograd
 # runs a backward kernel on the stream of its forward kernel, so the rebuilt graph fixes it),
-# and neighbouring blocks alternate between two streams. Cross-stream dependencies are device
-# events (the host never waits), and every tensor used on a stream other than the one that
-# allocated it is passed to record_stream, so the caching allocator does not hand its memory
-# out again while the other stream may still read it. On the CPU the same schedule runs in
-# program order: the bookkeeping (which block recovers, which computes gradients, where each
-# gradient goes, two rebuilt graphs alive at once) is the same code, tested without a GPU.
+# and neighbouring blocks alternate between two streams; a stored block's graph was built on
+# the main stream in forward, so its gradients run there. Cross-stream dependencies are device
+# events; the host never waits. On the CPU the same schedule runs in program order: the
+# bookkeeping (which block recovers, which computes gradients, where each gradient goes, two
+# rebuilt graphs alive at once) is the same code, tested without a GPU.
+#
+# NOTE [ Tensor lifetimes across streams ]
+# The caching allocator hands a freed block back to the stream that allocated it at once. A
+# tensor that another stream still reads must therefore not be reused by its own stream before
+# that reader is done. record_stream prevents that, but only by holding the memory until the
+# reader's work at free time has run on the device; when the host queues the whole backward
+# ahead of the GPU, that is every block's X and dY, and reserved memory grows with depth. So
+# between blocks we order lifetimes by events instead. Every hand-off between blocks goes from
+# a block's stream to the next block's, and the schedule already makes the giving stream wait
+# for the taking stream's work before it allocates again:
+#   * X of block l (made by recover(l)) is read by recover(l-1); it is freed after grads(l) is
+#     queued, and the next work on l's stream is recover(l-2) or grads(l-1)'s successor, both
+#     queued after waiting on recover(l-1)'s or grads(l-1)'s event;
+#   * dY of block l (made by grads(l)) is read by grads(l-1); it is freed once grads(l-1) is
+#     queued, and the next work queued on l's stream after that is grads(l-2), which waits on
+#     grads(l-1)'s event (recover(l-2) was queued before the free);
+#   * a parameter's running gradient sum moves down the blocks the same way as dY.
+# record_stream stays where no such order exists: the tensors that arrive from autograd's
+# stream (the saved outputs and dY) and those handed back to it (dX and parameter gradients),
+# whose last reader is autograd's own later work. That is a constant number of tensors per
+# stack, not per block.
 
 _SIDE_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
 
@@ -370,38 +504,48 @@ def _side_streams(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cud
 
 
 class _Lanes:
-    """Two streams that alternate between blocks, or program order on the CPU."""
+    """Each block's stream: two side streams that alternate, or the main stream for a stored
+    block; program order on the CPU."""
 
-    def __init__(self, device: torch.device, parallel: bool):
+    def __init__(self, device: torch.device, parallel: bool, stored: Sequence[bool] = ()):
         self.enabled = parallel and device.type == "cuda"
         if not self.enabled:
             return
         self.main = torch.cuda.current_stream(device)
         self.streams = _side_streams(device)
+        self.stored = stored
         for stream in self.streams:  # inputs of backward come from the main stream
             stream.wait_stream(self.main)
+
+    def _stream(self, block_index: int) -> "torch.cuda.Stream":
+        if block_index < len(self.stored) and self.stored[block_index]:
+            return self.main
+        return self.streams[block_index % 2]
 
     def run_on(self, block_index: int) -> contextlib.AbstractContextManager:
         if not self.enabled:
             return contextlib.nullcontext()
-        return torch.cuda.stream(self.streams[block_index % 2])
+        return torch.cuda.stream(self._stream(block_index))
 
     def mark(self, block_index: int) -> Optional["torch.cuda.Event"]:
         """An event at the current end of the block's stream."""
         if not self.enabled:
             return None
-        return self.streams[block_index % 2].record_event()
+        return self._stream(block_index).record_event()
 
     def wait(self, block_index: int, event: Optional["torch.cuda.Event"]) -> None:
         if self.enabled and event is not None:
-            self.streams[block_index % 2].wait_event(event)
+            self._stream(block_index).wait_event(event)
 
-    def hand_over(self, tensor: Optional[Tensor], block_index: Optional[int]) -> None:
-        """Tell the allocator that ``tensor`` is used on block_index's stream (None: main)."""
-        if not self.enabled or tensor is None:
-            return
-        stream = self.main if block_index is None else self.streams[block_index % 2]
-        tensor.record_stream(stream)
+    def from_main(self, tensor: Optional[Tensor], block_index: int) -> None:
+        """``tensor`` came from the main stream and is read on block_index's stream."""
+        if self.enabled and tensor is not None:
+            tensor.record_stream(self._stream(block_index))
+
+    def to_main(self, tensor: Optional[Tensor]) -> None:
+        """``tensor`` goes back to autograd, which reads it on the main stream."""
+        if self.enabled and tensor is not None:
+            tensor.record_stream(self.main)
 
     def join(self) -> None:
         if self.enabled:
@@ -410,56 +554,55 @@ class _Lanes:
 
 
 def _backward_in_order(plan, y1, y2, dy1, dy2, param_grads):
-    lanes = _Lanes(plan.device, parallel=False)
     for index in reversed(range(len(plan.blocks))):
         rebuilt = _recover(plan, index, y1, y2)
-        dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads, lanes)
-        y1, y2 = rebuilt.x1, rebuilt.x2.detach()
+        dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
+        y1, y2 = rebuilt.x1, _detached(rebuilt.x2)
         del rebuilt  # frees block index's graph before the next block builds its own
     return dy1, dy2
 
 
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
+
+
 def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
-    lanes = _Lanes(plan.device, parallel=True)
+    lanes = _Lanes(plan.device, parallel=True, stored=plan.stored)
     try:
         dy1, dy2 = _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads)
     finally:  # the main stream must not run ahead of the side streams, even after an error
         lanes.join()
     for t in (dy1, dy2, *param_grads):
-        lanes.hand_over(t, None)
+        lanes.to_main(t)
     return dy1, dy2
 
 
 def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
     last = len(plan.blocks) - 1
     for t in (y1, y2, dy1, dy2):
-        lanes.hand_over(t, last)
+        lanes.from_main(t, last)
     with lanes.run_on(last):
         rebuilt = _recover(plan, last, y1, y2)
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
-        # recover(index-1) on the other stream, after recover(index).
-        x1, x2 = rebuilt.x1, rebuilt.x2.detach()
+        # recover(index-1) on its stream, after recover(index). Its inputs were made on
+        # index's stream; see NOTE [ Tensor lifetimes across streams ].
+        x1, x2 = rebuilt.x1, _detached(rebuilt.x2)
         lanes.wait(index - 1, recovered)
-        lanes.hand_over(x1, index - 1)
-        lanes.hand_over(x2, index - 1)
         with lanes.run_on(index - 1):
             previous = _recover(plan, index - 1, x1, x2)
+        del x1, x2
         recovered = lanes.mark(index - 1)
         # grads(index) on this block's stream, after grads(index+1).
         lanes.wait(index, grads_done)
-        lanes.hand_over(dy1, index)
-        lanes.hand_over(dy2, index)
         with lanes.run_on(index):
-            dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads, lanes)
+            dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
         grads_done = lanes.mark(index)
         rebuilt = previous  # block index's graph is released here: two alive at most
     lanes.wait(0, grads_done)
-    lanes.hand_over(dy1, 0)
-    lanes.hand_over(dy2, 0)
     with lanes.run_on(0):
-        return _grads(plan, 0, rebuilt, dy1, dy2, param_grads, lanes)
+        return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
 
 
 class _ReversibleFunction(torch.autograd.Function):
@@ -473,11 +616,24 @@ class _ReversibleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, x1: Tensor, x2: Tensor, *params: Tensor):
         keep = plan.debug_tolerance is not None
-        for block in plan.blocks:
-            x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
+        stored = plan.stored
+        for index, block in enumerate(plan.blocks):
+            if stored[index]:
+                keep_x1 = index > 0 and not stored[index - 1]
+                probe = plan.probe(index, x1) if plan.probe else contextlib.nullcontext()
+                with probe:
+                    rebuilt = _store(block, x1, x2, plan.kwargs, keep_x1)
+                plan.graphs.append(rebuilt)
+                plan.records.append(_BlockRecord(None, None))
+                x1, x2 = rebuilt.y1.detach(), x2 + rebuilt.g_out.detach()
+            else:
+                plan.graphs.append(None)
+                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
         ctx.plan = plan
-        ctx.save_for_backward(x1, x2)
+        # The top block's outputs are what the reversible engines rebuild from; a stored top
+        # block keeps what its backward needs in its own graph.
+        ctx.save_for_backward(*((x1, x2) if not stored[-1] else ()))
         return x1, x2
 
     @staticmethod
@@ -490,8 +646,9 @@ class _ReversibleFunction(torch.autograd.Function):
             )
         # Saved tensors are freed after the first backward (unless retain_graph=True), so a
         # second backward raises autograd's own "backward through the graph a second time".
-        y1, y2 = ctx.saved_tensors
         plan: _Plan = ctx.plan
+        saved = ctx.saved_tensors
+        y1, y2 = saved if saved else (None, None)
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
         entry = _RngState.capture(plan.device)
         try:
@@ -510,6 +667,9 @@ class ReversibleStack(nn.Module):
     Args:
         blocks: the :class:`ReversibleBlock` instances, applied in order.
         engine: ``"autograd"``, ``"reversible"`` or ``"pareprop"``.
+        stored_blocks: indices of blocks that keep their activations from forward (as under
+            autograd) instead of being recomputed by the reversible engines; see
+            :meth:`store_blocks`.
 
     ``forward(x1, x2, **kwargs)`` returns ``(y1, y2)``; keyword arguments reach every block's
     ``f`` and ``g`` in forward and in recomputation alike. They are constants: a tensor passed
@@ -517,7 +677,12 @@ class ReversibleStack(nn.Module):
     requires grad, the stack runs its blocks plainly, whatever the engine.
     """
 
-    def __init__(self, blocks: Iterable[ReversibleBlock], engine: str = "reversible"):
+    def __init__(
+        self,
+        blocks: Iterable[ReversibleBlock],
+        engine: str = "reversible",
+        stored_blocks: Iterable[int] = (),
+    ):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         if len(self.blocks) == 0:
@@ -532,6 +697,10 @@ class ReversibleStack(nn.Module):
         self.set_engine(engine)
         self._debug_tolerance: Optional[float] = None
         self.last_reconstruction_errors: List[Tuple[float, float]] = []
+        self.stored_blocks: Tuple[int, ...] = ()
+        self.store_blocks(stored_blocks)
+        # Called around each stored block's forward; set only while pareprop.budget measures.
+        self._probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
 
     def set_engine(self, name: str) -> "ReversibleStack":
         _check_engine(name)
@@ -546,6 +715,23 @@ class ReversibleStack(nn.Module):
         self.engine = name
         return self
 
+    def store_blocks(self, indices: Iterable[int]) -> "ReversibleStack":
+        """Keep the activations of the blocks at ``indices`` (negative counts from the end);
+        recompute the others. Any subset works under every engine, with exact gradients; the
+        memory kept grows by each stored block's activations and the step saves its
+        recomputation. ``store_blocks([])`` recomputes every block again. Under ``autograd``
+        every block is stored anyway. :func:`pareprop.set_memory_budget` chooses the subset."""
+        depth = len(self.blocks)
+        chosen = set()
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"block indices must be integers, got {i!r}")
+            if not -depth <= i < depth:
+                raise IndexError(f"block index {i} out of range for a stack of {depth} blocks")
+            chosen.add(i % depth)
+        self.stored_blocks = tuple(sorted(chosen))
+        return self
+
     def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
         """For the next training step only: keep the forward's block inputs and warn, naming
         the block, when a rebuilt input differs from them by more than ``tolerance`` (relative
@@ -554,7 +740,8 @@ class ReversibleStack(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"engine={self.engine!r}"
+        stored = f", stored_blocks={list(self.stored_blocks)}" if self.stored_blocks else ""
+        return f"engine={self.engine!r}{stored}"
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
@@ -578,7 +765,10 @@ class ReversibleStack(nn.Module):
             num_params=len(params),
             device=x1.device,
             autocast=_AutocastState.capture(x1.device),
+            backends=_BackendState.capture(),
+            stored=[i in self.stored_blocks for i in range(len(self.blocks))],
             debug_tolerance=tolerance,
+            probe=self._probe,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
         self.last_reconstruction_errors = plan.reconstruction_errors
