@@ -180,9 +180,10 @@ def test_global_rng_and_parameter_hooks_with_stored_blocks(name):
         model.stack.store_blocks([0, 2])
         counts = {}
         for pname, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, pname=pname, counts=counts: counts.update({pname: counts.get(pname, 0) + 1})
-            )
+            def count(p, pname=pname, counts=counts):
+                counts[pname] = counts.get(pname, 0) + 1
+
+            p.register_post_accumulate_grad_hook(count)
         model(torch.randn(2, 3, DIM)).sum().backward()
         states[engine], calls[engine] = torch.get_rng_state(), counts
     assert torch.equal(states[name], states["autograd"])
