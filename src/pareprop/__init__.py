@@ -1,5 +1,6 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
+from pareprop.budget import MemoryPlan, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
@@ -21,6 +22,8 @@ __all__ = [
     "set_engine",
     "debug_reconstruction",
     "activation_bytes",
+    "set_memory_budget",
+    "MemoryPlan",
     "drift_report",
     "DriftReport",
     "create_model",
