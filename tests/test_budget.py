@@ -127,3 +127,4 @@ def test_parse_sizes_and_budgets():
     assert parse_budget("0.25") == ("fraction", 0.25)
     assert parse_budget("12GiB") == ("bytes", 12 * 2**30)
     assert parse_budget(4096) == ("bytes", 4096)
+    assert parse_budget(0) == ("fraction", 0.0) and parse_budget(1) == ("fraction", 1.0)

@@ -56,10 +56,12 @@ def parse_bytes(text: Union[str, int, float]) -> int:
 
 
 def parse_budget(budget: Budget) -> Tuple[str, float]:
-    """``("fraction", f)`` for a float in [0, 1] (or such a string), else ``("bytes", n)``."""
+    """``("fraction", f)`` for a float, or a number from 0 to 1 (or such a string), else
+    ``("bytes", n)``: a budget of 0 or 1 bytes means nothing, so 0 and 1 are fractions."""
     if isinstance(budget, bool):
         raise ValueError(f"expected a memory budget (bytes, '12GiB' or a fraction), got {budget!r}")
-    if isinstance(budget, float) or (isinstance(budget, str) and _is_fraction(budget)):
+    small_int = isinstance(budget, int) and budget in (0, 1)
+    if isinstance(budget, float) or small_int or (isinstance(budget, str) and _is_fraction(budget)):
         fraction = float(budget)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(
