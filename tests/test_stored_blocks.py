@@ -10,18 +10,9 @@ import torch
 import pareprop
 from pareprop import engine as engine_module
 from pareprop.testing import engine_errors, relative_error, worst_error
-from test_engine import DIM, TOL, MixerBlock, Model
+from test_engine import DIM, TOL, MixerBlock, Model, float64  # noqa: F401 - autouse fixture
 
 ENGINES = ("reversible", "pareprop")
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(previous)
 
 
 def _subsets(depth):
