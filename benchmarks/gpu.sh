@@ -1,123 +1,169 @@
 #!/usr/bin/env bash
-# GPU benchmark for pareprop, from the source tree, in at most 8 minutes in all.
+# The GPU run of pareprop, from the source tree, in at most 8 minutes in all (docs/gpu.md).
 #
-#   benchmarks/gpu.sh OUTDIR
+#   benchmarks/gpu.sh OUTDIR              on a CUDA machine, <= 480 s
+#   benchmarks/gpu.sh --dry-run OUTDIR    the same steps on the CPU with tiny models, <= 280 s
 #
-# Needs: a CUDA GPU; torch, timm, torchvision, pytest, matplotlib installed (no registry access,
-# pareprop is used from ./src via PYTHONPATH). Steps, each under a `timeout` guard:
-#   1. the GPU tests (python -m pytest -m gpu -q)               -> OUTDIR/gpu_tests.log
-#   2. sweeps of reversible models against their timm / torch baselines, bf16 autocast, batch
-#      sizes doubling up to the memory limit (out-of-memory recorded, larger batches skipped):
-#        OUTDIR/vit   rev_vit_base_patch16_224 vs vit_base_patch16_224
-#        OUTDIR/mvit  rev_mvitv2_base          vs mvitv2_base
-#        OUTDIR/swin  rev_swin_tiny            vs swin_tiny_patch4_window7_224   (if registered)
-#        OUTDIR/text  rev_roberta_base         vs text_encoder_base, seq 512     (if registered)
-#      each with results.json, results.csv, results.jsonl, PNG plots and its own log.
-#   3. a short table, printed last: best throughput and largest batch per engine,
-#      PaReprop/Reprop throughput ratio, largest batch against the standard model's.
-# Every sweep also stops starting configurations after its --time-budget, so what it measured
-# is written even when the budget is short; `timeout` is the hard stop behind that.
+# Needs torch, timm, torchvision, pytest, matplotlib (no registry access; pareprop is used from
+# ./src via PYTHONPATH). Steps, in this order, each under `timeout` within its allowance:
+#   1. tests      python -m pytest -m gpu                              -> OUTDIR/gpu_tests.log
+#   2. sanitizer  the same under TORCH_CUDA_SANITIZER=1 (torch's CUDA stream sanitizer, which
+#                 needs a CUDA device: without one the tests run without it)
+#                                                                      -> OUTDIR/gpu_tests_sanitizer.log
+#   3. sweeps     bf16, doubling batch sizes, each engine until out of memory, baselines first,
+#                 one `pareprop bench` call per engine (benchmarks/gpu_sweep.py):
+#                   OUTDIR/vit   Rev-ViT-B     rev_vit_base_patch16_224 vs vit_base_patch16_224
+#                   OUTDIR/mvit  Rev-MViTv2-B  rev_mvitv2_base vs mvitv2_base
+#                   OUTDIR/swin  Rev-Swin-T    rev_swin_tiny vs swin_tiny_patch4_window7_224
+#                   OUTDIR/text  Rev-RoBERTa-B rev_roberta_base vs text_encoder_base, seq 512
+#                 each with OUTDIR/NAME.log and OUTDIR/NAME/ENGINE/results.{json,jsonl,csv}
+#   4. summary    benchmarks/gpu_summary.py, printed last       -> OUTDIR/summary.txt
+#
+# Time: every step gets its planned share of what is left (what a step does not use goes to
+# the later ones, in proportion), minus GRACE for `timeout -k`, so even a step that ignores
+# SIGTERM is killed inside its allowance; SUMMARY_RESERVE seconds stay for the summary.
+# GPU_SH_TOTAL_S=N sets the limit to N seconds instead (a shorter rehearsal; the script's tests).
+# Exit status: 0 when every step and every configuration ran (out-of-memory and time-skipped
+# configurations included), 1 otherwise, 2 for bad usage.
 
 set -u
-OUT=${1:?usage: benchmarks/gpu.sh OUTDIR}
+DRY=0
+if [[ ${1:-} == --dry-run ]]; then
+  DRY=1
+  shift
+fi
+if (($# != 1)); then
+  echo "usage: benchmarks/gpu.sh [--dry-run] OUTDIR" >&2
+  exit 2
+fi
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$ROOT"
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+cd "$ROOT" || exit 2
 
-TOTAL=480          # seconds for everything, this script included
-SUMMARY_RESERVE=20 # kept back for the final table
+GRACE=5           # `timeout -k`: seconds between SIGTERM and SIGKILL, inside the allowance
+SUMMARY_RESERVE=15
+MIN_STAGE=10      # a step with less than this is skipped
+declare -A PLAN   # planned seconds; the allowance scales them to what is left
+if ((DRY)); then
+  TOTAL=${GPU_SH_TOTAL_S:-280}
+  PLAN=([tests]=30 [sanitizer]=30 [vit]=40 [mvit]=45 [swin]=60 [text]=40)
+  COMMON=(--device cpu --amp bf16 --warmup 1 --iters 2 --no-activation-bytes --quiet)
+  VIT=(rev_vit_tiny_patch4_32 vit_tiny_patch16_224 --img-size 32 --depths 2 --batch-sizes 2 4)
+  MVIT=(rev_mvitv2_tiny_32 mvitv2_tiny --img-size 32 --batch-sizes 2 4)
+  SWIN=(rev_swin_tiny_32 swin_tiny_patch4_window7_224 --img-size 32 --batch-sizes 2 4)
+  TEXT=(rev_roberta_small text_encoder_small --seq-len 32 --depths 2 --batch-sizes 2 4)
+else
+  TOTAL=${GPU_SH_TOTAL_S:-480}
+  PLAN=([tests]=60 [sanitizer]=60 [vit]=75 [mvit]=85 [swin]=80 [text]=70)
+  COMMON=(--device cuda --amp bf16 --warmup 2 --iters 4 --no-activation-bytes --quiet)
+  # Batch sizes: from where the GPU is busy to past the standard model's memory limit (an
+  # estimate for an 80-140 GiB device; an engine stops at its first out-of-memory).
+  VIT=(rev_vit_base_patch16_224 vit_base_patch16_224 --batch-sizes 128 256 512 1024 2048 4096)
+  MVIT=(rev_mvitv2_base mvitv2_base --batch-sizes 64 128 256 512 1024 2048 4096)
+  SWIN=(rev_swin_tiny swin_tiny_patch4_window7_224 --batch-sizes 256 512 1024 2048 4096 8192)
+  TEXT=(rev_roberta_base text_encoder_base --seq-len 512 --batch-sizes 32 64 128 256 512 1024 2048)
+fi
+if ! [[ $TOTAL =~ ^[0-9]+$ ]] || ((TOTAL <= SUMMARY_RESERVE)); then
+  echo "benchmarks/gpu.sh: expected GPU_SH_TOTAL_S to be whole seconds above" \
+    "$SUMMARY_RESERVE, got '$TOTAL'" >&2
+  exit 2
+fi
+ORDER=(tests sanitizer vit mvit swin text)
 DEADLINE=$((SECONDS + TOTAL))
+FAILED=0
+: >"$OUT/steps.tsv"
 
-# stage_time PLANNED LATER: seconds this stage may use, leaving LATER seconds for later stages.
-stage_time() {
-  local left=$((DEADLINE - SECONDS - SUMMARY_RESERVE - $2))
-  local t=$1
-  ((left < t)) && t=$left
-  ((t < 0)) && t=0
-  echo "$t"
+# allowance STEP: seconds STEP may use, its planned share of what is left for it and later steps.
+allowance() {
+  local left=$((DEADLINE - SECONDS - SUMMARY_RESERVE)) rest=0 seen=0 s
+  for s in "${ORDER[@]}"; do
+    [[ $s == "$1" ]] && seen=1
+    ((seen)) && rest=$((rest + PLAN[$s]))
+  done
+  ((left < 0)) && left=0
+  echo $((left * PLAN[$1] / rest))
+}
+
+# step_done STEP STATUS STARTED NOTE: one line of OUTDIR/steps.tsv.
+step_done() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$((SECONDS - $3))" "$4" >>"$OUT/steps.tsv"
+  [[ $2 == 0 || $2 == skipped ]] || FAILED=1
+  echo "$1: exit status $2 after $((SECONDS - $3)) s${4:+ ($4)}"
+}
+
+# run_step STEP SECONDS NOTE LOG COMMAND...: COMMAND under `timeout`, killed within SECONDS.
+run_step() {
+  local step=$1 a=$2 note=$3 log=$4 t0=$SECONDS
+  shift 4
+  if ((a < MIN_STAGE)); then
+    step_done "$step" skipped "$t0" "only ${a} s left"
+    return
+  fi
+  echo "== $step (up to ${a} s, log: $log)"
+  timeout -k "$GRACE" "$((a - GRACE))" "$@" >"$log" 2>&1
+  local rc=$?
+  step_done "$step" "$rc" "$t0" "$note"
 }
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  python - <<'EOF'
+  ((DRY)) && echo "dry run: the GPU script's steps on the CPU with tiny models"
+  timeout 60 python - <<'EOF'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device:", p.name, f"{p.total_memory / 2**30:.0f} GiB")
+    print("cuda_available: yes")
 else:
     print("device: no CUDA device visible")
+    print("cuda_available: no")
 EOF
   git -C "$ROOT" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /'
 } | tee "$OUT/environment.txt"
+if grep -q '^cuda_available: yes' "$OUT/environment.txt"; then HAS_CUDA=1; else HAS_CUDA=0; fi
+if ((!DRY && !HAS_CUDA)); then
+  echo "benchmarks/gpu.sh: no CUDA device visible; for the CPU rehearsal run" \
+    "benchmarks/gpu.sh --dry-run OUTDIR" >&2
+  exit 2
+fi
 
-echo "== GPU tests"
-T=$(stage_time 90 330)
-timeout -k 10 "$T" python -m pytest -m gpu -q -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
-echo "gpu tests: exit status $? (log: $OUT/gpu_tests.log)"
-tail -n 3 "$OUT/gpu_tests.log"
+PYTEST=(python -m pytest -m gpu -q -p no:cacheprovider)
+run_step tests "$(allowance tests)" "" "$OUT/gpu_tests.log" "${PYTEST[@]}"
+tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null
+if ((HAS_CUDA)); then
+  run_step sanitizer "$(allowance sanitizer)" "TORCH_CUDA_SANITIZER=1" \
+    "$OUT/gpu_tests_sanitizer.log" env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}"
+else
+  # The sanitizer asks for the current CUDA stream on every operator, CPU ones included: with
+  # no CUDA device even `import pareprop` fails under it. Run the step, without it.
+  run_step sanitizer "$(allowance sanitizer)" "no CUDA device: ran without TORCH_CUDA_SANITIZER" \
+    "$OUT/gpu_tests_sanitizer.log" "${PYTEST[@]}"
+fi
+tail -n 1 "$OUT/gpu_tests_sanitizer.log" 2>/dev/null
 
-registered() {  # registered NAME -> success if pareprop's registry has NAME
-  python -c "import sys, pareprop; sys.exit(0 if pareprop.is_model('$1') else 1)" 2>/dev/null
-}
-
-# sweep NAME PLANNED LATER ARGS...: one `pareprop bench` run into OUT/NAME.
+# sweep NAME LABEL MODEL BASELINE BENCH_ARGS...: one model against its standard model.
 sweep() {
-  local name=$1 planned=$2 later=$3
-  shift 3
-  local t
-  t=$(stage_time "$planned" "$later")
-  if ((t < 20)); then
-    echo "== $name: skipped, no time left"
-    return
-  fi
-  echo "== $name (up to ${t}s)"
-  timeout -k 10 "$t" python -m pareprop bench --device cuda --amp bf16 --warmup 2 --iters 5 \
-    --time-budget $((t - 30)) --quiet --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name: exit status $? (log: $OUT/$name.log)"
+  local name=$1 label=$2 model=$3 baseline=$4 a
+  shift 4
+  a=$(allowance "$name")
+  # The driver stops itself 3 s before `timeout` would, to write what it measured.
+  run_step "$name" "$a" "$label" "$OUT/$name.log" python benchmarks/gpu_sweep.py --out "$OUT/$name" \
+    --budget "$((a - GRACE - 3 > 1 ? a - GRACE - 3 : 1))" --label "$label" --model "$model" \
+    --baseline "$baseline" -- "${COMMON[@]}" "$@"
 }
-
-ENGINES=(reversible pareprop autograd plain checkpointed)
-sweep vit 110 230 --models rev_vit_base_patch16_224 vit_base_patch16_224 \
-  --engines "${ENGINES[@]}" --batch-sizes 32 64 128 256 512 1024 2048
-sweep mvit 110 120 --models rev_mvitv2_base mvitv2_base \
-  --engines "${ENGINES[@]}" --batch-sizes 32 64 128 256 512 1024
-if registered rev_swin_tiny; then
-  sweep swin 70 50 --models rev_swin_tiny swin_tiny_patch4_window7_224 \
-    --engines reversible pareprop autograd plain --batch-sizes 32 64 128 256 512 1024
-fi
-if registered rev_roberta_base && registered text_encoder_base; then
-  sweep text 50 0 --models rev_roberta_base text_encoder_base --seq-len 512 \
-    --engines reversible pareprop autograd plain --batch-sizes 8 16 32 64 128 256
-fi
+sweep vit Rev-ViT-B "${VIT[@]}"
+sweep mvit Rev-MViTv2-B "${MVIT[@]}"
+sweep swin Rev-Swin-T "${SWIN[@]}"
+sweep text Rev-RoBERTa-B "${TEXT[@]}"
 
 echo
-echo "== summary ($OUT)"
-timeout -k 5 "$SUMMARY_RESERVE" python - "$OUT" <<'EOF'
-import json, os, sys
-from pareprop.bench import format_summary
-
-out = sys.argv[1]
-baselines = {
-    "rev_vit_base_patch16_224": "vit_base_patch16_224",
-    "rev_mvitv2_base": "mvitv2_base",
-    "rev_swin_tiny": "swin_tiny_patch4_window7_224",
-    "rev_roberta_base": "text_encoder_base",
-}
-for name in ("vit", "mvit", "swin", "text"):
-    path, stream = (os.path.join(out, name, f) for f in ("results.json", "results.jsonl"))
-    if os.path.exists(path):
-        records = json.load(open(path))
-    elif os.path.exists(stream):  # killed before the end: what was measured
-        records = [json.loads(line) for line in open(stream) if line.strip()]
-    else:
-        continue
-    if records:
-        print(f"-- {name} ({len(records)} configurations)")
-        print(format_summary(records, baselines))
-        print()
-EOF
-echo "total: ${SECONDS}s"
+left=$((DEADLINE - SECONDS))
+((left < 5)) && left=5
+timeout -k 1 "$((left - 1))" python benchmarks/gpu_summary.py "$OUT" || FAILED=1
+echo
+echo "total: ${SECONDS} s (limit ${TOTAL} s); results in $OUT"
+exit "$FAILED"

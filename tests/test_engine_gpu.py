@@ -1,9 +1,21 @@
 """Engine checks that need a CUDA device; they skip cleanly without one.
 
-Run on a GPU machine with ``python -m pytest -m gpu -q`` (``benchmarks/gpu.sh`` does).
+Run on a GPU machine with ``python -m pytest -m gpu -q``; ``benchmarks/gpu.sh`` runs them
+twice, the second time under ``TORCH_CUDA_SANITIZER=1`` (torch's CUDA stream sanitizer, which
+fails a test on any kernel that touches a tensor another stream may still be using).
+
+NOTE [ Tests that can catch a race ]
+    Kernels of tiny blocks finish in microseconds, so a missing cross-stream wait would still
+    almost always read finished data. Here F and G first launch a sleep kernel on their stream
+    (``torch.cuda._sleep``, before the real work, in forward, recomputation and backward), so
+    everything a block produces is late by about a millisecond: a consumer on the other stream
+    that does not wait reads memory not yet written. What it reads instead is made wrong on
+    purpose: a decoy step with other inputs first fills the streams' cached memory with other
+    values, and just before backward the loss fills the current stream's free memory with NaN.
 """
 
 import json
+import os
 from collections import defaultdict
 
 import pytest
@@ -17,6 +29,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+# The sanitizer checks every kernel from Python: the host becomes far slower than the device,
+# so tests that time kernels or expect the host to run ahead say nothing under it.
+UNDER_SANITIZER = bool(os.environ.get("TORCH_CUDA_SANITIZER"))
 
 
 class Block(pareprop.ReversibleBlock):
@@ -35,9 +50,9 @@ class Block(pareprop.ReversibleBlock):
 
 
 class Model(nn.Module):
-    def __init__(self, depth, dim, drop=0.1, engine="reversible"):
+    def __init__(self, depth, dim, drop=0.1, engine="reversible", block=Block):
         super().__init__()
-        self.stack = pareprop.ReversibleStack([Block(dim, drop) for _ in range(depth)], engine)
+        self.stack = pareprop.ReversibleStack([block(dim, drop) for _ in range(depth)], engine)
 
     def forward(self, x):
         return torch.cat(self.stack(x, x), dim=-1)
@@ -120,21 +135,24 @@ SLEEP_CYCLES = 2_000_000  # about a millisecond on current GPUs, on a single SM
 
 
 class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward each hold one SM busy for a while: recover and
-    grads then cannot fill the GPU, so if the schedule lets them, they run side by side."""
+    """Identity whose forward and backward each hold one SM busy for a while before they
+    produce their result: what comes after it on the stream is late by that much."""
 
     @staticmethod
-    def forward(ctx, x):
-        torch.cuda._sleep(SLEEP_CYCLES)
+    def forward(ctx, x, cycles=SLEEP_CYCLES):
+        ctx.cycles = cycles
+        torch.cuda._sleep(cycles)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        return grad.clone()
+        torch.cuda._sleep(ctx.cycles)
+        return grad.clone(), None
 
 
 class SleepyBlock(Block):
+    """Recover and grads cannot fill the GPU, so if the schedule lets them, they overlap."""
+
     def f(self, x, **kwargs):
         return _Sleep.apply(self.proj(x))
 
@@ -142,6 +160,117 @@ class SleepyBlock(Block):
         return _Sleep.apply(self.proj(x))
 
 
+RACE_CYCLES = 1_000_000  # about half a millisecond
+
+
+class SlowBlock(Block):
+    """Block (dropout on) whose F and G wait on the device before their real work."""
+
+    def f(self, x, **kwargs):
+        return super().f(_Sleep.apply(x, RACE_CYCLES))
+
+    def g(self, x, **kwargs):
+        return super().g(_Sleep.apply(x, RACE_CYCLES))
+
+
+def _poison_free_memory(mib=64):
+    # 1 MiB tensors come from the allocator's small pool, where the test's tensors live too.
+    chunks = [torch.full((2**17,), float("nan"), dtype=torch.float64, device="cuda")
+              for _ in range(mib)]
+    del chunks
+
+
+def _poisoning_loss(outputs):
+    _poison_free_memory()  # after forward, before backward allocates what it rebuilds
+    gen = torch.Generator().manual_seed(1)
+    return sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
+               for o in outputs)
+
+
+@pytest.mark.parametrize("ambient", ["default stream", "user stream"])
+@pytest.mark.parametrize("depth", [3, 4])
+@pytest.mark.parametrize("engine", ["reversible", "pareprop"])
+def test_slowed_blocks_give_autograd_gradients(engine, depth, ambient):
+    torch.manual_seed(0)
+    model = Model(depth, 32, block=SlowBlock).double().cuda()
+    x = torch.randn(8, 64, 32, dtype=torch.float64, device="cuda")
+    stream = torch.cuda.Stream() if ambient == "user stream" else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())  # x and the weights come from the default
+    with torch.cuda.stream(stream):
+        # The decoy: the same allocations with other values, on every stream the engine uses.
+        pareprop.set_engine(model, engine)
+        model(x + 1).sum().backward()
+        model.zero_grad(set_to_none=True)
+        errors = engine_errors(model, x, engines=(engine,), loss_fn=_poisoning_loss)[engine]
+    torch.cuda.synchronize()
+    key, err = max(errors.items(), key=lambda kv: kv[1])
+    assert err < 1e-10, f"{engine}, depth {depth}, {ambient}: {key} off by {err:.3e}"
+
+
+class LeanSlowBlock(pareprop.ReversibleBlock):
+    """F and G: a sleep, LayerNorm, one square Linear; its graph is small next to its streams."""
+
+    def __init__(self, dim, cycles):
+        super().__init__()
+        self.cycles = cycles
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.proj1, self.proj2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def f(self, x, **kwargs):
+        return self.proj1(self.norm1(_Sleep.apply(x, self.cycles)))
+
+    def g(self, x, **kwargs):
+        return self.proj2(self.norm2(_Sleep.apply(x, self.cycles)))
+
+
+def _backward_peaks(stack, x, w, engine):
+    """Growth of reserved and allocated memory during one backward, after a warm-up step."""
+    stack.set_engine(engine)
+    for _ in range(2):  # a warm-up step, then the measured one
+        stack.zero_grad(set_to_none=True)
+        y1, y2 = stack(x, x)
+        loss = (y1 * w).sum() + (y2 * w).sum()  # full-size dY1, dY2
+        del y1, y2
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        del loss
+    return (torch.cuda.max_memory_reserved() - reserved,
+            torch.cuda.max_memory_allocated() - allocated)
+
+
+def test_pareprop_reserves_at_most_two_rebuilt_graphs_more_than_reversible():
+    # Sleeps of ~5 ms per F and G let the host enqueue the whole backward far ahead of the
+    # device, the case where tensors handed between streams with record_stream cannot be
+    # reused until the device catches up, and reserved memory grows with depth.
+    torch.manual_seed(0)
+    depth, batch, tokens, dim = 24, 16, 256, 1024  # one stream tensor: 16 MiB
+    stack = pareprop.ReversibleStack([LeanSlowBlock(dim, 10_000_000) for _ in range(depth)])
+    stack.cuda()
+    x = torch.randn(batch, tokens, dim, device="cuda")
+    w = torch.randn_like(x)
+    stream_bytes = x.numel() * x.element_size()
+    # One block's rebuilt graph: what F and G keep for backward, and the two inputs rebuilt.
+    x1, x2 = (x.clone().requires_grad_(True) for _ in range(2))
+    rebuilt = pareprop.activation_bytes(stack.blocks[0], x1, x2) + 2 * stream_bytes
+    del x1, x2
+
+    reversible = _backward_peaks(stack, x, w, "reversible")
+    par = _backward_peaks(stack, x, w, "pareprop")
+    slack = 32 * 2**20  # allocator rounding: 2 MiB small segments per stream, 20 MiB mid-size
+    mib = 2**20
+    report = (f"backward growth, reserved/allocated MiB: reversible {reversible[0] / mib:.0f}/"
+              f"{reversible[1] / mib:.0f}, pareprop {par[0] / mib:.0f}/{par[1] / mib:.0f}; "
+              f"one rebuilt graph {rebuilt / mib:.0f} MiB, stream tensor {stream_bytes / mib:.0f}"
+              f" MiB, depth {depth}")
+    assert par[1] <= reversible[1] + 2 * rebuilt + slack, report
+    assert par[0] <= reversible[0] + 2 * rebuilt + slack, report
+
+
+@pytest.mark.skipif(UNDER_SANITIZER, reason="timing says nothing under the sanitizer")
 def test_pareprop_runs_recovery_and_gradients_concurrently(tmp_path):
     depth = 6
     stack = pareprop.ReversibleStack([SleepyBlock(64, 0.0) for _ in range(depth)], "pareprop")

@@ -1,0 +1,171 @@
+"""One model's sweep for ``benchmarks/gpu.sh``: every engine gets its own share of the time.
+
+Usage::
+
+    python benchmarks/gpu_sweep.py --out DIR --budget SECONDS --label Rev-ViT-B \\
+        --model rev_vit_base_patch16_224 --baseline vit_base_patch16_224 \\
+        -- --device cuda --amp bf16 --batch-sizes 128 256 512
+
+Everything after ``--`` goes to ``pareprop bench`` unchanged. The engines run one after the
+other, the baseline's first (``plain``, ``checkpointed``, then ``autograd``, ``reversible``,
+``pareprop``), each as one ``pareprop bench`` call into ``DIR/<engine>/``, all in this one
+process (torch, timm and the CUDA context are set up once, not five times).
+
+NOTE [ Why one bench call per engine ]
+    ``pareprop bench`` orders its configurations model, engine, batch, and its ``--time-budget``
+    only stops *starting* configurations. With one call per model, a short budget spends itself
+    on the first engines' large batches and the last engines are never measured. Here each
+    engine gets ``left / engines left`` of the time (what an engine does not use goes to the
+    ones after it): ``--time-budget`` at :data:`SOFT_FRACTION` of that share, so no large batch
+    starts late, and a ``SIGALRM`` at the full share, which ``pareprop bench`` takes as an
+    interrupt (it then keeps what it measured, as under ``timeout``). Every record also streams
+    to ``DIR/<engine>/results.jsonl``, so even an engine cut off while writing its results
+    leaves its data.
+
+Writes ``DIR/sweep.json`` (label, models, engines, budget) for ``benchmarks/gpu_summary.py``.
+Exit status: 0 when every engine's bench call ran (configurations may be out of memory or
+skipped for time), 1 when one failed.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.monotonic()  # before the imports: the budget counts from process start
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any, List, Optional, Sequence  # noqa: E402
+
+BASELINE_ENGINES = ("plain", "checkpointed")
+REVERSIBLE_MODEL_ENGINES = ("autograd", "reversible", "pareprop")
+ENGINE_ORDER = BASELINE_ENGINES + REVERSIBLE_MODEL_ENGINES
+SOFT_FRACTION = 0.6  # of an engine's share: start no configuration after this
+MIN_SHARE_S = 3.0  # an engine left less than this is not started
+WRITE_MARGIN_S = 2.0  # kept back at the end for the last engine's results and plots
+
+
+def engine_share(left_s: float, engines_left: int) -> float:
+    """Seconds the next engine may use: an equal part of what is left, never negative."""
+    if engines_left < 1:
+        raise ValueError(f"expected at least one engine left, got {engines_left}")
+    return max(0.0, left_s) / engines_left
+
+
+def soft_budget(share_s: float) -> float:
+    """``--time-budget`` for an engine with ``share_s`` seconds.
+
+    Never below one second: ``pareprop bench`` treats a budget of 0 as no budget at all.
+    """
+    return max(1.0, round(SOFT_FRACTION * share_s, 1))
+
+
+def bench_argv(model: str, engine: str, budget_s: float, out_dir: str,
+               bench_args: Sequence[str]) -> List[str]:
+    """The ``pareprop bench`` command line (after ``pareprop``) for one engine."""
+    return ["bench", "--models", model, "--engines", engine, "--time-budget", f"{budget_s:g}",
+            "--out", out_dir, *bench_args]
+
+
+class _TimeUp(KeyboardInterrupt):
+    """Raised by SIGALRM: ``pareprop bench`` catches KeyboardInterrupt and keeps its records."""
+
+
+_terminated = False
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _TimeUp
+
+
+def _on_term(signum: int, frame: Any) -> None:
+    global _terminated
+    _terminated = True
+    raise _TimeUp
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpu_sweep.py", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for sweep.json and one folder per engine")
+    p.add_argument("--budget", type=float, required=True, metavar="S",
+                   help="seconds for the whole sweep, counted from process start")
+    p.add_argument("--label", required=True, help="name in the summary, e.g. Rev-ViT-B")
+    p.add_argument("--model", required=True, help="the reversible model (pareprop registry)")
+    p.add_argument("--baseline", required=True, help="its standard model (timm or pareprop)")
+    p.add_argument("--engines", nargs="+", default=list(ENGINE_ORDER), choices=ENGINE_ORDER)
+    args, rest = p.parse_known_args(list(argv))
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    for flag in ("--models", "--engines", "--time-budget", "--out"):
+        if flag in rest:
+            p.error(f"{flag} is set by gpu_sweep.py; pass it before '--' or not at all")
+    if args.budget <= 0:
+        p.error(f"expected a positive --budget, got {args.budget:g}")
+    args.bench_args = rest
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    global _terminated
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    _terminated = False
+    deadline = STARTED + args.budget - WRITE_MARGIN_S
+    # Baselines first: the order of ENGINE_ORDER, whatever the order on the command line.
+    engines = [e for e in ENGINE_ORDER if e in args.engines]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sweep.json"), "w") as fh:
+        json.dump({"label": args.label, "model": args.model, "baseline": args.baseline,
+                   "engines": engines, "budget_s": args.budget,
+                   "bench_args": args.bench_args}, fh, indent=1)
+
+    # Imports and the CUDA context before the first share is set, so plain does not pay them.
+    import torch
+
+    from pareprop.cli import main as pareprop_main
+    from pareprop.cli.bench import build_parser
+
+    build_parser()  # imports pareprop.bench (and timm) now
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+
+    previous = (signal.signal(signal.SIGALRM, _on_alarm),
+                signal.signal(signal.SIGTERM, _on_term))  # `timeout`: stop, keep the data
+    failed = []
+    try:
+        for i, engine in enumerate(engines):
+            share = engine_share(deadline - time.monotonic(), len(engines) - i)
+            if _terminated or share < MIN_SHARE_S:
+                print(f"{args.label} {engine}: not started, {share:.0f} s left", flush=True)
+                continue
+            model = args.baseline if engine in BASELINE_ENGINES else args.model
+            argv_ = bench_argv(model, engine, soft_budget(share),
+                               os.path.join(args.out, engine), args.bench_args)
+            print(f"== {args.label} {engine}: {share:.0f} s ({' '.join(argv_)})", flush=True)
+            t0 = time.monotonic()
+            status: Any
+            try:
+                signal.setitimer(signal.ITIMER_REAL, share)
+                status = pareprop_main(argv_)
+            except _TimeUp:  # cut while writing its results: results.jsonl has the records
+                status = "interrupted"
+            except Exception as err:  # noqa: BLE001 - the next engine still gets its turn
+                status = f"{type(err).__name__}: {err}"
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            took = time.monotonic() - t0
+            print(f"{args.label} {engine}: exit status {status} after {took:.0f} s", flush=True)
+            if status not in (0, "interrupted"):
+                failed.append(engine)
+    finally:
+        signal.signal(signal.SIGALRM, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    if failed:
+        print(f"{args.label}: bench failed for {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""benchmarks/gpu.sh and benchmarks/gpu_sweep.py: order of the steps, time shares, hard stops.
+
+gpu.sh runs here with a fake ``python`` first on PATH, which records how it was called and
+returns at once (or hangs, for the hard-stop test), so the script's control flow is checked in
+seconds, GPU mode included. The real steps run in CI through ``gpu.sh --dry-run``.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.sh")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep = _load("gpu_sweep")
+
+# ---------------------------------------------------------------------------------------------
+# gpu_sweep.py
+
+
+def test_engine_share_splits_what_is_left_and_is_never_negative():
+    assert sweep.engine_share(100.0, 4) == 25.0
+    assert sweep.engine_share(-3.0, 2) == 0.0
+    with pytest.raises(ValueError, match="at least one engine"):
+        sweep.engine_share(10.0, 0)
+
+
+def test_soft_budget_is_a_fraction_and_never_zero():
+    # pareprop bench reads --time-budget 0 as "no budget": the soft budget stays >= 1 s.
+    assert sweep.soft_budget(50.0) == pytest.approx(sweep.SOFT_FRACTION * 50.0)
+    assert sweep.soft_budget(0.0) == 1.0
+
+
+def test_bench_argv_uses_existing_bench_flags():
+    from pareprop.cli.bench import build_parser
+
+    argv = sweep.bench_argv("rev_vit_tiny_patch4_32", "pareprop", 12.5, "/tmp/x",
+                            ["--device", "cpu", "--batch-sizes", "2", "4"])
+    args = build_parser().parse_args(argv[1:])  # raises SystemExit for an unknown flag
+    assert argv[0] == "bench"
+    assert (args.models, args.engines, args.time_budget, args.out) == (
+        ["rev_vit_tiny_patch4_32"], ["pareprop"], 12.5, "/tmp/x")
+
+
+def test_flags_the_driver_sets_itself_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", "x", "--budget", "9", "--label", "L", "--model", "m",
+                    "--baseline", "b", "--", "--engines", "plain"])
+    assert "--engines is set by gpu_sweep.py" in capsys.readouterr().err
+
+
+def test_driver_gives_each_engine_its_share_and_cuts_off_an_overrun(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_bench(argv):
+        engine = argv[argv.index("--engines") + 1]
+        calls.append((time.monotonic(), argv))
+        if engine == "autograd":  # overruns its share: SIGALRM must end it
+            time.sleep(5)
+        if engine == "reversible":
+            raise RuntimeError("broken")
+        return 0
+
+    monkeypatch.setattr("pareprop.cli.main", fake_bench)
+    monkeypatch.setattr(sweep, "STARTED", time.monotonic())
+    monkeypatch.setattr(sweep, "MIN_SHARE_S", 0.05)
+    monkeypatch.setattr(sweep, "WRITE_MARGIN_S", 0.0)
+    out = tmp_path / "vit"
+    t0 = time.monotonic()
+    rc = sweep.main(["--out", str(out), "--budget", "2", "--label", "Rev-ViT-B",
+                     "--model", "rev", "--baseline", "std",
+                     "--engines", "pareprop", "autograd", "reversible", "plain", "checkpointed",
+                     "--", "--device", "cpu"])
+    took = time.monotonic() - t0
+    assert rc == 1  # reversible raised
+    engines = [argv[argv.index("--engines") + 1] for _, argv in calls]
+    assert engines == ["plain", "checkpointed", "autograd", "reversible", "pareprop"]
+    models = [argv[argv.index("--models") + 1] for _, argv in calls]
+    assert models == ["std", "std", "rev", "rev", "rev"]
+    assert all(argv[-2:] == ["--device", "cpu"] for _, argv in calls)
+    # autograd's share: what plain and checkpointed left (almost all of 2 s) over three
+    autograd_at, pareprop_at = calls[2][0], calls[4][0]
+    assert 0.4 < pareprop_at - autograd_at < 1.2, "autograd was not cut off at its share"
+    assert took < 2.5
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["engines"] == list(sweep.ENGINE_ORDER) and meta["label"] == "Rev-ViT-B"
+    # the handlers it installed are gone again
+    import signal
+
+    assert signal.getsignal(signal.SIGALRM) is not sweep._on_alarm
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu.sh
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Records each call; the environment step reports CUDA as $FAKE_CUDA.
+echo "$*|SAN=${TORCH_CUDA_SANITIZER:-}" >>"$FAKE_LOG"
+case "$1" in
+  -) cat >/dev/null; echo "device: fake"; echo "cuda_available: $FAKE_CUDA" ;;
+  -m)
+    if [[ -n ${FAKE_HANG:-} && -z ${TORCH_CUDA_SANITIZER:-} ]]; then
+      trap '' TERM  # ignores the polite stop: only SIGKILL ends it
+      sleep 100
+    fi
+    echo "3 passed in 0.01s" ;;
+  *) echo "ran $1" ;;
+esac
+"""
+
+
+def _run(tmp_path, *args, cuda="yes", **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    full_env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                "FAKE_LOG": str(log), "FAKE_CUDA": cuda, **env}
+    proc = subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, env=full_env,
+                          timeout=120)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, calls
+
+
+def _steps(out):
+    return [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+
+
+def test_gpu_mode_runs_tests_sanitizer_sweeps_then_summary(tmp_path):
+    out = tmp_path / "out"
+    proc, calls = _run(tmp_path, str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kinds = [c.split()[0] if not c.startswith("-m") else c.split()[1] for c in calls]
+    assert kinds == ["-|SAN=", "pytest", "pytest", "benchmarks/gpu_sweep.py",
+                     "benchmarks/gpu_sweep.py", "benchmarks/gpu_sweep.py",
+                     "benchmarks/gpu_sweep.py", "benchmarks/gpu_summary.py"]
+    assert calls[1].endswith("|SAN=") and calls[2].endswith("|SAN=1")
+    assert "-m gpu" in calls[1] and "-m gpu" in calls[2]
+    labels = [c.split("--label ")[1].split()[0] for c in calls[3:7]]
+    assert labels == ["Rev-ViT-B", "Rev-MViTv2-B", "Rev-Swin-T", "Rev-RoBERTa-B"]
+    assert all("--device cuda" in c and "--amp bf16" in c for c in calls[3:7])
+    assert "--model rev_mvitv2_base --baseline mvitv2_base" in calls[4]
+    assert "--seq-len 512" in calls[6]
+    budgets = [float(c.split("--budget ")[1].split()[0]) for c in calls[3:7]]
+    # Steps that take no time pass their share on, in proportion to the plan (tests 60,
+    # sanitizer 60, vit 75, mvit 85, swin 80, text 70 of 480 - 15 s); each sweep's driver stops
+    # GRACE + 3 = 8 s before its allowance ends.
+    assert budgets[0] == pytest.approx(465 * 75 / 310 - 8, abs=2)
+    assert budgets[-1] == pytest.approx(465 - 8, abs=2) and budgets[-1] <= 465 - 8
+    steps = _steps(out)
+    assert [s[0] for s in steps] == ["tests", "sanitizer", "vit", "mvit", "swin", "text"]
+    assert all(s[1] == "0" for s in steps)
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ")
+
+
+def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
+    out = tmp_path / "out"
+    proc, calls = _run(tmp_path, "--dry-run", str(out), cuda="no")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls[2].endswith("|SAN=")  # the sanitizer needs CUDA: the step runs without it
+    assert "without TORCH_CUDA_SANITIZER" in _steps(out)[1][3]
+    assert all("--device cpu" in c for c in calls[3:7])
+    assert "--model rev_vit_tiny_patch4_32" in calls[3]
+
+
+def test_gpu_mode_without_cuda_and_bad_usage_are_refused(tmp_path):
+    proc, _ = _run(tmp_path, str(tmp_path / "out"), cuda="no")
+    assert proc.returncode == 2 and "--dry-run" in proc.stderr
+    proc, _ = _run(tmp_path)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    proc, _ = _run(tmp_path, str(tmp_path / "out"), GPU_SH_TOTAL_S="10")
+    assert proc.returncode == 2 and "GPU_SH_TOTAL_S" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc, calls = _run(tmp_path, str(out), GPU_SH_TOTAL_S="100", FAKE_HANG="1")
+    took = time.monotonic() - t0
+    steps = _steps(out)
+    # 100 s - 15 s for the summary, tests' share 60/430 of it: 11 s, SIGKILL included
+    assert steps[0][:2] == ["tests", "137"] and int(steps[0][2]) <= 12
+    assert [s[1] for s in steps[1:]] == ["0"] * 5  # the later steps still ran
+    assert proc.returncode == 1
+    assert calls[-1].startswith("benchmarks/gpu_summary.py") and took < 30
