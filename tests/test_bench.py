@@ -264,7 +264,7 @@ def test_grad_rel_err_detects_a_wrong_engine(monkeypatch):
         original(module, name)
         module.head.weight.register_hook(lambda g: g * (2.0 if name != "autograd" else 1.0))
 
-    monkeypatch.setattr(bench, "set_engine", broken)
+    monkeypatch.setattr(bench.gradcheck, "set_engine", broken)
     monkeypatch.setitem(__import__("sys").modules, "pareprop.testing", None)  # inline path
     model = _make(depth=2).double().train()
     assert bench.grad_rel_err(model, (x,), "reversible") > 0.1
