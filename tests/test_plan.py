@@ -16,8 +16,8 @@ SMALL = ["--models", "rev_vit_tiny_patch4_32", "--depth", "1", "--device", "cpu"
 def test_plan_writes_json_and_plot_with_the_largest_batch(tmp_path, capsys):
     # Deep enough that autograd's kept activations outgrow one block's rebuilt graph.
     memory = plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", device="cpu", depth=6).peak
-    rc = main(["plan", *SMALL, "--depth", "6", "--engines", "autograd", "reversible", "--batch-sizes", "2", "4",
-               "--memory", str(memory), "--out", str(tmp_path)])
+    rc = main(["plan", *SMALL, "--depth", "6", "--engines", "autograd", "reversible",
+               "--batch-sizes", "2", "4", "--memory", str(memory), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     plan = json.loads((tmp_path / "plan.json").read_text())

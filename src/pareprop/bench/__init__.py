@@ -55,6 +55,7 @@ from pareprop.bench.models import (
 )
 from pareprop.bench.results import (
     _jsonable,
+    format_headline,
     format_ratios,
     format_summary,
     format_table,
@@ -76,6 +77,7 @@ __all__ = [
     "format_table",
     "format_ratios",
     "format_summary",
+    "format_headline",
     "ratio_summary",
     "default_config",
     "engines_for",

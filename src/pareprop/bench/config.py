@@ -37,6 +37,8 @@ class BenchConfig:
         grad_check: compare reversible engines' gradients against autograd once per model,
             engine and depth (float32, no autocast, batch of at most 2).
         activation: measure ``activation_bytes`` (one extra forward per configuration).
+        plan: record ``planned_peak_bytes``, :func:`pareprop.plan_memory`'s prediction of the
+            same step (a few seconds per configuration on a CPU, nothing allocated).
         isolate: run every configuration in a fresh subprocess; ``None`` does so only on a CPU
             where the peak RSS cannot be reset (see NOTE [ Measuring memory on the CPU ]).
         stop_after_oom: skip larger batch sizes of a model/engine/depth after an out-of-memory.
@@ -65,6 +67,7 @@ class BenchConfig:
     num_classes: int = 10
     grad_check: bool = True
     activation: bool = True
+    plan: bool = True
     isolate: bool | None = None
     stop_after_oom: bool = True
     lr: float = 1e-4

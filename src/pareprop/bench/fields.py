@@ -29,6 +29,8 @@ RECORD_FIELDS = (
     "tokens_per_s",
     "peak_mem_bytes",
     "peak_mem_kind",
+    "peak_reserved_bytes",
+    "planned_peak_bytes",
     "activation_bytes",
     "grad_rel_err",
     "status",

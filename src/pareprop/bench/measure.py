@@ -44,6 +44,7 @@ class _Job:
     seed: int
     threads: int | None
     model_overrides: Dict[str, Any]
+    plan: bool = False  # also plan_memory's prediction of this step (planned_peak_bytes)
 
 
 
@@ -204,6 +205,8 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     if device.type == "cuda":
         out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device) - mem_before)
         out["peak_mem_kind"] = "cuda_max_allocated"
+        # What the caching allocator held from the device at most (allocated + its cache).
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
     else:
         out["peak_mem_bytes"] = int(_rss_peak_bytes() - mem_before)
         out["peak_mem_kind"] = "cpu_rss_growth"
@@ -226,6 +229,8 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
             if not _is_oom(err):
                 raise
             out["activation_bytes"] = None  # the step fitted, its graph plus a second did not
+    if job.plan:
+        out["planned_peak_bytes"] = _planned_peak(job, device)
     if job.grad_check and job.engine in REVERSIBLE_ENGINES:
         small = tuple(t[: min(2, job.batch_size)] for t in inputs)
         out["grad_rel_err"] = grad_rel_err(model, small, job.engine, seed=job.seed)
@@ -249,3 +254,21 @@ def _activation_bytes(
             return _logits(model(*args))
 
     return int(activation_bytes(forward, *inputs))
+
+
+def _planned_peak(job: _Job, device: torch.device) -> int | None:
+    """plan_memory's peak for this configuration, or None where it cannot be planned.
+
+    A planner failure never fails the measurement: the record just has no prediction.
+    """
+    from pareprop.memory import plan_memory
+
+    try:
+        report = plan_memory(
+            job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
+            num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
+            seq_len=job.seq_len, seed=job.seed, **job.model_overrides,
+        )
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    return int(report.peak)

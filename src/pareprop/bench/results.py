@@ -209,3 +209,49 @@ def format_summary(
                 parts.append(f"largest batch {ours}; {base} plain fitted no batch of the sweep")
         lines.append(" ".join(parts))
     return "\n".join(lines).rstrip()
+
+
+def format_headline(
+    records: Sequence[Dict[str, Any]], memory: str = "16GiB", plan_largest: bool = True
+) -> str:
+    """One line of what the run measured, at its deepest depth, reversible against autograd.
+
+    ``depth D: reversible keeps N.Nx less peak memory at N.NNx the step time; largest batch in
+    16 GiB: A vs B``. The peak is the whole step's: the planned peak of the same configuration
+    (``planned_peak_bytes``, exact at the allocator level) where there is one, else the measured
+    ``peak_mem_bytes``. The largest batches are planned (:func:`pareprop.largest_batch`).
+
+    Returns:
+        The line, or ``""`` when the run has no autograd/reversible pair.
+    """
+    ok = [r for r in records if r["status"] == "ok" and r["engine"] in ("autograd", "reversible")]
+    pairs = {}
+    for r in ok:
+        pairs.setdefault((r["model"], r["depth"], r["batch_size"], r["seq_len"]), {})[
+            r["engine"]] = r
+    full = [k for k, v in pairs.items() if len(v) == 2]
+    if not full:
+        return ""
+    key = max(full, key=lambda k: (k[1] or 0, k[2]))
+    ref, rev = pairs[key]["autograd"], pairs[key]["reversible"]
+
+    def peak(r: Dict[str, Any]) -> int | None:
+        return r.get("planned_peak_bytes") or r.get("peak_mem_bytes")
+
+    mem_ratio = _div(peak(ref), peak(rev))
+    line = (f"depth {key[1]}: reversible keeps "
+            f"{'-' if mem_ratio is None else f'{mem_ratio:.1f}'}x less peak memory at "
+            f"{rev['step_ms_median'] / ref['step_ms_median']:.2f}x the step time")
+    if plan_largest:
+        from pareprop.memory import largest_batch, parse_memory
+
+        amp = {"bfloat16-amp": "bf16", "float16-amp": "fp16"}.get(ref["dtype"])
+        kw = dict(amp=amp, device=str(ref["device"]).split(":")[0],
+                  img_size=ref["img_size"], depth=ref["depth"], num_classes=10)
+        try:
+            sizes = [largest_batch(key[0], e, parse_memory(memory), **kw)[0]
+                     for e in ("autograd", "reversible")]
+            line += f"; largest batch in {memory[:-3]} GiB: {sizes[1]} vs {sizes[0]}"
+        except Exception as err:  # noqa: BLE001 - the headline reports, never fails the run
+            line += f"; largest batch not planned ({type(err).__name__}: {err})"
+    return line
