@@ -136,6 +136,10 @@ def test_cli_end_to_end_writes_json_csv_pngs(tmp_path, capsys):
         assert r["samples_per_s"] == pytest.approx(r["batch_size"] * 1e3 / r["step_ms_median"])
         assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] >= 0
         assert r["peak_mem_kind"] == "cpu_rss_growth"
+        assert r["peak_reserved_bytes"] is None  # CUDA only
+        # plan_memory's prediction of the same step: at least the parameters and AdamW state.
+        assert isinstance(r["planned_peak_bytes"], int)
+        assert r["planned_peak_bytes"] >= 4 * 4 * r["params"]
         assert isinstance(r["activation_bytes"], int) and r["activation_bytes"] > 0
         assert isinstance(r["params"], int) and r["params"] > 0
         assert r["tokens_per_s"] is None and r["seq_len"] is None  # an image model
@@ -162,6 +166,7 @@ def test_cli_end_to_end_writes_json_csv_pngs(tmp_path, capsys):
     # The table and the ratio summary reach stdout, one line per record.
     assert stdout.count("bench_test_tiny_rev") >= len(records)
     assert "reversible / autograd" in stdout and "pareprop / autograd" in stdout
+    assert "depth 3: reversible keeps" in stdout and "largest batch in 16 GiB" in stdout
 
 
 def test_activation_memory_does_not_grow_with_depth_under_reversible(tmp_path):
@@ -264,7 +269,7 @@ def test_grad_rel_err_detects_a_wrong_engine(monkeypatch):
         original(module, name)
         module.head.weight.register_hook(lambda g: g * (2.0 if name != "autograd" else 1.0))
 
-    monkeypatch.setattr(bench, "set_engine", broken)
+    monkeypatch.setattr(bench.gradcheck, "set_engine", broken)
     monkeypatch.setitem(__import__("sys").modules, "pareprop.testing", None)  # inline path
     model = _make(depth=2).double().train()
     assert bench.grad_rel_err(model, (x,), "reversible") > 0.1

@@ -11,7 +11,7 @@ from pareprop.cli import main
 def test_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in ("train", "bench", "demo"))
+    assert all(name in out for name in ("train", "bench", "plan", "demo"))
 
 
 def test_no_command_and_unknown_command_fail_with_usage(capsys):

@@ -10,7 +10,13 @@ from pareprop.engine import (
     debug_reconstruction,
     set_engine,
 )
-from pareprop.memory import activation_bytes
+from pareprop.memory import (
+    MemoryReport,
+    activation_bytes,
+    largest_batch,
+    memory_report,
+    plan_memory,
+)
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 
 __version__ = "0.1.0"
@@ -24,6 +30,10 @@ __all__ = [
     "activation_bytes",
     "set_memory_budget",
     "MemoryPlan",
+    "memory_report",
+    "plan_memory",
+    "largest_batch",
+    "MemoryReport",
     "drift_report",
     "DriftReport",
     "create_model",

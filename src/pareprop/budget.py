@@ -26,34 +26,12 @@ import torch
 import torch.nn as nn
 
 from pareprop.engine import ReversibleStack
-from pareprop.memory import _is_parameter, activation_bytes
+from pareprop.memory import activation_bytes, parse_memory
+from pareprop.memory.saved import _is_parameter
 
-__all__ = ["MemoryPlan", "BlockCost", "set_memory_budget", "parse_budget", "parse_bytes"]
+__all__ = ["MemoryPlan", "BlockCost", "set_memory_budget", "parse_budget"]
 
 Budget = Union[int, float, str]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: Union[str, int, float]) -> int:
-    """``"12GiB"``, ``"80GB"``, ``"8e10"`` or a number -> bytes (GB = 10**9, GiB = 2**30)."""
-    if isinstance(text, bool):
-        raise ValueError(f"expected a memory size such as 12GiB, 80GB or 8e10, got {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"expected a memory size such as 12GiB, 80GB or 8e10, got {text!r} "
-                f"(units: {', '.join(u for u in _UNITS if u)})"
-            )
-        value, unit = float(match.group(1)), match.group(2).lower()
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"expected a positive memory size, got {text!r}")
-    return int(value * _UNITS[unit])
-
 
 def parse_budget(budget: Budget) -> Tuple[str, float]:
     """``("fraction", f)`` for a float, or a number from 0 to 1 (or such a string), else
@@ -69,7 +47,7 @@ def parse_budget(budget: Budget) -> Tuple[str, float]:
                 f"(what autograd keeps), got {budget!r}; give bytes as an integer or '12GiB'"
             )
         return "fraction", fraction
-    return "bytes", float(parse_bytes(budget))
+    return "bytes", float(parse_memory(budget))
 
 
 def _is_fraction(text: str) -> bool:

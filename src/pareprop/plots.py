@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-__all__ = ["plot_results", "plot_throughput", "plot_memory", "plot_drift"]
+__all__ = ["plot_results", "plot_throughput", "plot_memory", "plot_drift", "plot_plan"]
 
 _MIB = 2**20
 _MAX_PANELS = 4
@@ -163,3 +163,36 @@ def plot_drift(rows: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_plan(plan: Dict[str, Any], path: str) -> str:
+    """Planned peak memory (GiB) against batch size, one line per model and engine.
+
+    Args:
+        plan: what :func:`pareprop.memory.sweep.plan_sweep` returns.
+        path: PNG file to write. The memory to fit in, when given, is a dashed line.
+
+    Returns:
+        ``path``.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = list(dict.fromkeys((r["model"], r["engine"]) for r in plan["records"]))
+    for model, engine in keys:
+        pts = sorted((r["batch_size"], r["peak"] / 2**30) for r in plan["records"]
+                     if (r["model"], r["engine"]) == (model, engine))
+        style = "-" if engine in ("autograd", "reversible", "pareprop") else "--"
+        ax.plot(*zip(*pts), style, marker="o" if len(pts) > 1 else "s", markersize=3,
+                label=f"{model} {engine}" if len(keys) > 1 else engine)
+    if plan.get("memory_bytes"):
+        ax.axhline(plan["memory_bytes"] / 2**30, color="k", linestyle=":", linewidth=1.2,
+                   label=f"memory {plan['memory_bytes'] / 2**30:.1f} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("planned peak of a training step (GiB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the gradient comparison against autograd")
     p.add_argument("--no-activation-bytes", action="store_true",
                    help="skip the activation_bytes measurement (one extra forward each)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="skip planned_peak_bytes (pareprop.plan_memory of each configuration)")
     p.add_argument("--isolate", action="store_true",
                    help="measure every configuration in a fresh subprocess")
     p.add_argument("--keep-going-after-oom", action="store_true",
@@ -123,6 +125,7 @@ def _config(args: argparse.Namespace):
             setattr(config, name, getattr(args, name))
     config.grad_check = not args.no_grad_check
     config.activation = not args.no_activation_bytes
+    config.plan = not args.no_plan
     config.isolate = True if args.isolate else None
     config.stop_after_oom = not args.keep_going_after_oom
     config.progress = not args.quiet
@@ -178,6 +181,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ratios:
         print("\nratios in this run (time: lower is faster; memory: how many times less)")
         print(ratios)
+    headline = bench.format_headline(records)
+    if headline:
+        print("\n" + headline + "  (reversible vs autograd; peak: the whole step, planned)")
     print(f"\nwrote {paths['json']}, {paths['csv']} and {len(paths['plots'])} plot(s) in "
           f"{args.out}")
     failed = [r for r in records if r["status"] not in ("ok", "oom")]

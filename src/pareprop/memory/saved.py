@@ -1,4 +1,4 @@
-"""Measurements of the memory that training keeps alive."""
+"""The bytes autograd keeps for backward: ``activation_bytes``, and the count inside a step."""
 
 from __future__ import annotations
 

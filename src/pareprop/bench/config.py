@@ -1,0 +1,136 @@
+"""What a sweep measures: :class:`BenchConfig` and the default sweep of ``pareprop bench``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Sequence
+
+import torch
+
+from pareprop.bench.fields import ALL_ENGINES, AMP_MODES
+from pareprop.bench.models import _model_source
+from pareprop.engine import ENGINES
+
+__all__ = ["BenchConfig", "default_config"]
+
+
+@dataclass
+class BenchConfig:
+    """What to sweep and how to measure it.
+
+    Attributes:
+        models: registry names (pareprop's, then timm's).
+        engines: any of :data:`ALL_ENGINES`; each model runs those that apply to it.
+        batch_sizes: batch sizes, swept in increasing order (a GPU sweep stops growing the
+            batch of a model/engine after the first out-of-memory).
+        depths: total numbers of blocks; ``None`` keeps the model's own depth. Staged models
+            (``depths`` or ``last_block_indexes`` in their config) absorb the change in their
+            deepest stage.
+        img_size: input side for image models; ``None`` keeps the model's.
+        seq_lens: sequence lengths for text models; ``None`` keeps the model's example length.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks cuda when available.
+        amp: ``"none"``, ``"bf16"`` or ``"fp16"`` autocast for the step (fp16 uses a GradScaler
+            on CUDA).
+        warmup: untimed steps before timing.
+        iters: timed steps.
+        num_classes: classifier width of every model (small, so the head does not dominate).
+        grad_check: compare reversible engines' gradients against autograd once per model,
+            engine and depth (float32, no autocast, batch of at most 2).
+        activation: measure ``activation_bytes`` (one extra forward per configuration).
+        plan: record ``planned_peak_bytes``, :func:`pareprop.plan_memory`'s prediction of the
+            same step (a few seconds per configuration on a CPU, nothing allocated).
+        isolate: run every configuration in a fresh subprocess; ``None`` does so only on a CPU
+            where the peak RSS cannot be reset (see NOTE [ Measuring memory on the CPU ]).
+        stop_after_oom: skip larger batch sizes of a model/engine/depth after an out-of-memory.
+        lr: AdamW learning rate (the value does not change the cost).
+        seed: seed of parameters, inputs and the gradient check.
+        progress: show a tqdm progress bar over configurations.
+        threads: ``torch.set_num_threads`` during each measurement; ``None`` keeps torch's.
+            One thread gives steadier CPU timings on a shared machine, where OpenMP threads
+            that wait for each other can make two threads slower than one.
+        time_budget_s: start no configuration after this many seconds; the rest are recorded
+            with status ``skipped: ...``.
+        model_overrides: extra config overrides for every model (pareprop config fields or
+            timm keyword arguments).
+    """
+
+    models: Sequence[str] = ("rev_vit_small_patch16_224",)
+    engines: Sequence[str] = ENGINES
+    batch_sizes: Sequence[int] = (8,)
+    depths: Sequence[int | None] = (None,)
+    img_size: int | None = None
+    seq_lens: Sequence[int | None] = (None,)
+    device: str | None = None
+    amp: str = "none"
+    warmup: int = 1
+    iters: int = 3
+    num_classes: int = 10
+    grad_check: bool = True
+    activation: bool = True
+    plan: bool = True
+    isolate: bool | None = None
+    stop_after_oom: bool = True
+    lr: float = 1e-4
+    seed: int = 0
+    progress: bool = True
+    threads: int | None = None
+    time_budget_s: float | None = None
+    model_overrides: Dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        if not self.models:
+            raise ValueError("expected at least one model, got none")
+        for name in self.models:
+            _model_source(name)  # raises for unknown names
+        bad = [e for e in self.engines if e not in ALL_ENGINES]
+        if bad or not self.engines:
+            raise ValueError(f"expected engines among {', '.join(ALL_ENGINES)}, got {bad or []}")
+        for what, values in (("batch size", self.batch_sizes), ("depth", self.depths)):
+            for v in values:
+                if v is not None and (not isinstance(v, int) or v < 1):
+                    raise ValueError(f"expected every {what} to be a positive integer, got {v!r}")
+        if not self.batch_sizes:
+            raise ValueError("expected at least one batch size, got none")
+        for v in self.seq_lens:
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"expected every seq_len to be a positive integer, got {v!r}")
+        if self.img_size is not None and self.img_size < 1:
+            raise ValueError(f"expected a positive img_size, got {self.img_size}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"expected amp among {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.warmup < 0 or self.iters < 1:
+            raise ValueError(
+                f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
+            )
+        device = torch.device(self.resolved_device())
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"expected an available device, got {device} but CUDA is not available"
+            )
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_config() -> BenchConfig:
+    """The small CPU sweep behind ``pareprop bench`` with no options.
+
+    A Rev-ViT-S-like stack (dim 384, 6 heads) at depths 4, 12 and 24 on 64x64 inputs (16 patch
+    tokens) at batch 16, with the three engines, on one CPU thread (steadier on a shared
+    machine). It shows the claim in a few minutes on two cores: reversible costs about one
+    extra forward, and its activation memory does not grow with depth.
+    """
+    return BenchConfig(
+        models=("rev_vit_small_patch16_224",),
+        engines=ENGINES,
+        batch_sizes=(16,),
+        depths=(4, 12, 24),
+        img_size=64,
+        device="cpu",
+        warmup=1,
+        iters=3,
+        threads=1,
+    )

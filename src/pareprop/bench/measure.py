@@ -1,0 +1,274 @@
+"""One configuration: build the model, time full training steps, record memory.
+
+:func:`measure` never raises for a failed configuration; it returns a record (see
+:data:`~pareprop.bench.fields.RECORD_FIELDS`) whose ``status`` says what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_peak, _rss_peak_bytes
+from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
+from pareprop.bench.gradcheck import grad_rel_err
+from pareprop.bench.models import _build, _logits, _make_inputs, _model_depth, _model_info, _side
+
+__all__ = ["measure"]
+
+
+@dataclass
+class _Job:
+    model: str
+    engine: str
+    batch_size: int
+    depth: int | None
+    seq_len: int | None
+    device: str
+    amp: str
+    img_size: int | None
+    warmup: int
+    iters: int
+    num_classes: int
+    grad_check: bool
+    activation: bool
+    lr: float
+    seed: int
+    threads: int | None
+    model_overrides: Dict[str, Any]
+    plan: bool = False  # also plan_memory's prediction of this step (planned_peak_bytes)
+
+
+
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, MemoryError):
+        return True
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(err, oom_type):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+
+def _autocast(device: torch.device, amp: str):
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _dtype_label(amp: str) -> str:
+    return {"none": "float32", "bf16": "bfloat16-amp", "fp16": "float16-amp"}[amp]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(job: _Job) -> Dict[str, Any]:
+    """Measure one configuration in this process and return its record.
+
+    Never raises for a failed configuration: an out-of-memory gives ``status="oom"``, any other
+    exception ``status="error: <type>: <message>"``.
+    """
+    device = torch.device(job.device)
+    record = _empty_record(job)
+    result: Dict[str, Any] = {}
+    with _frozen_gc(), _num_threads(job.threads):
+        _free_memory(device)
+        try:
+            _measure_into(job, device, result)
+            record.update(result)
+            record["status"] = "ok"
+        except Exception as err:  # noqa: BLE001 - the sweep records every failure, goes on
+            record.update({k: v for k, v in result.items() if k in _KNOWN_EARLY})
+            record["status"] = "oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}"
+        # Tensors of this configuration (held by its frames, or an exception's) go now.
+        _free_memory(device)
+    return record
+
+
+@contextlib.contextmanager
+def _num_threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    # A full collection walks every object of torch, timm and the caller (a second or more
+    # with many modules imported); freezing what exists now leaves it only our new objects.
+    # Nested use (run_bench -> measure) keeps the outer freeze.
+    if gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+# Fields known before the first step, kept in the record of a configuration that failed later.
+_KNOWN_EARLY = ("params", "depth", "img_size", "seq_len")
+
+
+def _empty_record(job: _Job) -> Dict[str, Any]:
+    record: Dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    record.update(
+        model=job.model,
+        engine=job.engine,
+        batch_size=job.batch_size,
+        depth=job.depth,
+        seq_len=job.seq_len,
+        device=job.device,
+        dtype=_dtype_label(job.amp),
+        img_size=job.img_size,
+    )
+    return record
+
+
+def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
+    info = _model_info(job.model)
+    cpu_reset = device.type == "cpu" and _can_reset_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        mem_before = torch.cuda.memory_allocated(device)
+    else:
+        if cpu_reset:
+            _reset_rss_peak()
+        mem_before = _rss_peak_bytes()
+
+    torch.manual_seed(job.seed)
+    model = _build(job, info).to(device).train()
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["depth"] = job.depth if job.depth is not None else _model_depth(model)
+    inputs = _make_inputs(model, job, info, device, job.batch_size)
+    text = not inputs[0].is_floating_point()
+    if info.source == "pareprop" and model.cfg is not None and hasattr(model.cfg, "img_size"):
+        out["img_size"] = _side(model.cfg.img_size)
+    elif not text:
+        out["img_size"] = int(inputs[0].shape[-1])
+    if text:
+        out["seq_len"] = int(inputs[0].shape[1])
+        out["img_size"] = None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    scaler = None
+    if job.amp == "fp16" and device.type == "cuda":
+        scaler = _grad_scaler()
+
+    with torch.no_grad():
+        logits = _logits(model(*inputs))
+    target = torch.randint(0, logits.shape[-1], logits.shape[:-1], device=device)
+    del logits
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device, job.amp):
+            logits = _logits(model(*inputs))
+        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+    for _ in range(job.warmup):
+        step()
+    times = []
+    for _ in range(job.iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    if device.type == "cuda":
+        out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device) - mem_before)
+        out["peak_mem_kind"] = "cuda_max_allocated"
+        # What the caching allocator held from the device at most (allocated + its cache).
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    else:
+        out["peak_mem_bytes"] = int(_rss_peak_bytes() - mem_before)
+        out["peak_mem_kind"] = "cpu_rss_growth"
+    median = statistics.median(times)
+    out.update(
+        step_ms_median=median,
+        step_ms_min=min(times),
+        step_ms_max=max(times),
+        samples_per_s=job.batch_size * 1e3 / median,
+    )
+    if text:
+        out["tokens_per_s"] = job.batch_size * out["seq_len"] * 1e3 / median
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()  # AdamW's moments are not needed for the checks below
+
+    if job.activation:
+        try:
+            out["activation_bytes"] = _activation_bytes(model, inputs, device, job.amp)
+        except Exception as err:  # noqa: BLE001 - the step ran; only this extra forward failed
+            if not _is_oom(err):
+                raise
+            out["activation_bytes"] = None  # the step fitted, its graph plus a second did not
+    if job.plan:
+        out["planned_peak_bytes"] = _planned_peak(job, device)
+    if job.grad_check and job.engine in REVERSIBLE_ENGINES:
+        small = tuple(t[: min(2, job.batch_size)] for t in inputs)
+        out["grad_rel_err"] = grad_rel_err(model, small, job.engine, seed=job.seed)
+
+
+
+def _grad_scaler():
+    amp_scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if amp_scaler is not None:
+        return amp_scaler("cuda")
+    return torch.cuda.amp.GradScaler()  # torch < 2.3
+
+
+def _activation_bytes(
+    model: nn.Module, inputs: Tuple[torch.Tensor, ...], device: torch.device, amp: str
+) -> int:
+    from pareprop.memory import activation_bytes
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        with _autocast(device, amp):
+            return _logits(model(*args))
+
+    return int(activation_bytes(forward, *inputs))
+
+
+def _planned_peak(job: _Job, device: torch.device) -> int | None:
+    """plan_memory's peak for this configuration, or None where it cannot be planned.
+
+    A planner failure never fails the measurement: the record just has no prediction.
+    """
+    from pareprop.memory import plan_memory
+
+    try:
+        report = plan_memory(
+            job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
+            num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
+            seq_len=job.seq_len, seed=job.seed, **job.model_overrides,
+        )
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    return int(report.peak)

@@ -1,0 +1,257 @@
+"""Records out: files (JSON, CSV, plots) and the tables printed after a sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Sequence, Tuple
+
+from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
+from pareprop.engine import ENGINES
+
+__all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
+
+
+def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, str]:
+    """Write ``results.json``, ``results.csv`` and the plots into ``out_dir``.
+
+    Returns:
+        ``{"json": path, "csv": path, "plots": [paths]}``.
+    """
+    import csv
+
+    from pareprop.plots import plot_results
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "results.json")
+    with open(json_path, "w") as fh:
+        json.dump([_jsonable(r) for r in records], fh, indent=1)
+    csv_path = os.path.join(out_dir, "results.csv")
+    with open(csv_path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(RECORD_FIELDS), extrasaction="ignore")
+        writer.writeheader()
+        for r in records:
+            writer.writerow({k: ("" if r.get(k) is None else r[k]) for k in RECORD_FIELDS})
+    plots = plot_results(records, out_dir)
+    return {"json": json_path, "csv": csv_path, "plots": plots}
+
+
+def _jsonable(record: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = str(v)  # JSON has no inf/nan
+        out[k] = v
+    return out
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_table(records: Sequence[Dict[str, Any]]) -> str:
+    """One line per record: times, throughput, memory, gradient check and status."""
+    head = ("model", "engine", "depth", "bs", "seq", "step ms", "min", "max", "samples/s",
+            "peak MiB", "act MiB", "grad err", "status")
+    rows = [head]
+    for r in records:
+        rows.append((
+            r["model"], r["engine"], _num(r["depth"], "d"), str(r["batch_size"]),
+            _num(r["seq_len"], "d"),
+            _num(r["step_ms_median"], ".1f"), _num(r["step_ms_min"], ".1f"),
+            _num(r["step_ms_max"], ".1f"), _num(r["samples_per_s"], ".1f"),
+            _mib(r["peak_mem_bytes"]), _mib(r["activation_bytes"]),
+            _num(r["grad_rel_err"], ".1e"), str(r["status"])[:60],
+        ))
+    return _align(rows)
+
+
+def _align(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def ratio_summary(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per model, depth, seq_len and batch size: every engine's ratios to its reference.
+
+    The reference is ``autograd`` for reversible models and ``plain`` for baselines. Fields:
+    model, depth, batch_size, seq_len, engine, time_ratio (median step time / reference's),
+    time_ratio_min (the same with the fastest steps, steadier on a busy machine),
+    act_ratio (reference's activation bytes / this engine's), peak_ratio (same for peak
+    memory), and for ``pareprop`` the throughput ratio to ``reversible`` (speedup_vs_reversible).
+    """
+    ok = {(r["model"], r["depth"], r["seq_len"], r["batch_size"], r["engine"]): r
+          for r in records if r["status"] == "ok"}
+    out = []
+    for (model, depth, seq_len, bs, engine), r in ok.items():
+        ref_engine = "autograd" if engine in ENGINES else "plain"
+        if engine == ref_engine:
+            continue
+        ref = ok.get((model, depth, seq_len, bs, ref_engine))
+        if ref is None:
+            continue
+        row = dict(model=model, depth=depth, seq_len=seq_len, batch_size=bs, engine=engine,
+                   reference=ref_engine,
+                   time_ratio=r["step_ms_median"] / ref["step_ms_median"],
+                   time_ratio_min=r["step_ms_min"] / ref["step_ms_min"],
+                   act_ratio=_div(ref["activation_bytes"], r["activation_bytes"]),
+                   peak_ratio=_div(ref["peak_mem_bytes"], r["peak_mem_bytes"]),
+                   speedup_vs_reversible=None)
+        rev = ok.get((model, depth, seq_len, bs, "reversible"))
+        if engine == "pareprop" and rev is not None:
+            row["speedup_vs_reversible"] = r["samples_per_s"] / rev["samples_per_s"]
+        out.append(row)
+    return out
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def format_ratios(records: Sequence[Dict[str, Any]]) -> str:
+    """The ratio summary as a table, plus the largest batch that ran per model/engine/depth."""
+    rows = [("model", "depth", "bs", "seq", "engine", "time / ref", "(min)", "ref act / act",
+             "ref peak / peak", "vs reversible")]
+    for s in ratio_summary(records):
+        rows.append((
+            s["model"], _num(s["depth"], "d"), str(s["batch_size"]), _num(s["seq_len"], "d"),
+            f"{s['engine']} / {s['reference']}", f"{s['time_ratio']:.2f}",
+            f"{s['time_ratio_min']:.2f}",
+            _num(s["act_ratio"], ".1f"), _num(s["peak_ratio"], ".2f"),
+            _num(s["speedup_vs_reversible"], ".2f"),
+        ))
+    parts = []
+    if len(rows) > 1:
+        parts.append(_align(rows))
+    largest: Dict[Tuple, int] = {}
+    for r in records:
+        if r["status"] == "ok":
+            key = (r["model"], r["engine"], r["depth"], r["seq_len"])
+            largest[key] = max(largest.get(key, 0), r["batch_size"])
+    if len({r["batch_size"] for r in records}) > 1 and largest:
+        fit = [("model", "engine", "depth", "seq", "largest batch that ran")]
+        fit += [(m, e, _num(d, "d"), _num(s, "d"), str(b)) for (m, e, d, s), b in largest.items()]
+        parts.append(_align(fit))
+    return "\n\n".join(parts)
+
+
+def format_summary(
+    records: Sequence[Dict[str, Any]], baselines: Dict[str, str] | None = None
+) -> str:
+    """Best throughput and largest batch per model and engine, and the headline ratios.
+
+    Args:
+        records: records of a batch-size sweep.
+        baselines: ``{reversible model: its standard baseline}``, e.g.
+            ``{"rev_vit_base_patch16_224": "vit_base_patch16_224"}``, for the largest-batch
+            ratio. A largest batch that never ran out of memory is a lower bound (``>=``).
+
+    Returns:
+        A table, then one line per reversible model with PaReprop/Reprop throughput at each
+        one's best batch and the largest batch against the baseline's.
+    """
+    best: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    largest: Dict[Tuple[str, str], int] = {}
+    hit_oom: set = set()
+    for r in records:
+        key = (r["model"], r["engine"])
+        if r["status"] == "oom":
+            hit_oom.add(key)
+        if r["status"] != "ok":
+            continue
+        largest[key] = max(largest.get(key, 0), r["batch_size"])
+        if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+            best[key] = r
+
+    def bound(key: Tuple[str, str]) -> str:
+        if key not in largest:
+            return "none"
+        return ("" if key in hit_oom else ">=") + str(largest[key])
+
+    rows = [("model", "engine", "best samples/s", "at batch", "largest batch", "peak GiB there")]
+    for key in dict.fromkeys((r["model"], r["engine"]) for r in records):
+        b = best.get(key)
+        at_largest = [r for r in records if (r["model"], r["engine"]) == key
+                      and r["status"] == "ok" and r["batch_size"] == largest.get(key)]
+        peak = at_largest[0]["peak_mem_bytes"] if at_largest else None
+        rows.append((key[0], key[1], _num(b and b["samples_per_s"], ".1f"),
+                     str(b["batch_size"]) if b else "-", bound(key),
+                     "-" if peak is None else f"{peak / 2**30:.1f}"))
+    lines = [_align(rows), ""]
+    for model in dict.fromkeys(r["model"] for r in records):
+        rev, par = best.get((model, "reversible")), best.get((model, "pareprop"))
+        if rev is None and par is None:
+            continue
+        parts = [model + ":"]
+        if rev is not None and par is not None:
+            ratio = par["samples_per_s"] / rev["samples_per_s"]
+            parts.append(f"PaReprop/Reprop best throughput {ratio:.2f}x"
+                         f" (bs {par['batch_size']} vs {rev['batch_size']})")
+        base = (baselines or {}).get(model)
+        ours = max((largest.get((model, e), 0) for e in REVERSIBLE_ENGINES), default=0)
+        if base is not None and ours:
+            theirs = largest.get((base, "plain"))
+            if theirs:
+                sign = "" if (base, "plain") in hit_oom else "<="
+                parts.append(f"largest batch {ours} vs {base} plain {theirs} "
+                             f"({sign}{ours / theirs:.1f}x)")
+            elif (base, "plain") in hit_oom:
+                parts.append(f"largest batch {ours}; {base} plain fitted no batch of the sweep")
+        lines.append(" ".join(parts))
+    return "\n".join(lines).rstrip()
+
+
+def format_headline(
+    records: Sequence[Dict[str, Any]], memory: str = "16GiB", plan_largest: bool = True
+) -> str:
+    """One line of what the run measured, at its deepest depth, reversible against autograd.
+
+    ``depth D: reversible keeps N.Nx less peak memory at N.NNx the step time; largest batch in
+    16 GiB: A vs B``. The peak is the whole step's: the planned peak of the same configuration
+    (``planned_peak_bytes``, exact at the allocator level) where there is one, else the measured
+    ``peak_mem_bytes``. The largest batches are planned (:func:`pareprop.largest_batch`).
+
+    Returns:
+        The line, or ``""`` when the run has no autograd/reversible pair.
+    """
+    ok = [r for r in records if r["status"] == "ok" and r["engine"] in ("autograd", "reversible")]
+    pairs = {}
+    for r in ok:
+        pairs.setdefault((r["model"], r["depth"], r["batch_size"], r["seq_len"]), {})[
+            r["engine"]] = r
+    full = [k for k, v in pairs.items() if len(v) == 2]
+    if not full:
+        return ""
+    key = max(full, key=lambda k: (k[1] or 0, k[2]))
+    ref, rev = pairs[key]["autograd"], pairs[key]["reversible"]
+
+    def peak(r: Dict[str, Any]) -> int | None:
+        return r.get("planned_peak_bytes") or r.get("peak_mem_bytes")
+
+    mem_ratio = _div(peak(ref), peak(rev))
+    line = (f"depth {key[1]}: reversible keeps "
+            f"{'-' if mem_ratio is None else f'{mem_ratio:.1f}'}x less peak memory at "
+            f"{rev['step_ms_median'] / ref['step_ms_median']:.2f}x the step time")
+    if plan_largest:
+        from pareprop.memory import largest_batch, parse_memory
+
+        amp = {"bfloat16-amp": "bf16", "float16-amp": "fp16"}.get(ref["dtype"])
+        kw = dict(amp=amp, device=str(ref["device"]).split(":")[0],
+                  img_size=ref["img_size"], depth=ref["depth"], num_classes=10)
+        try:
+            sizes = [largest_batch(key[0], e, parse_memory(memory), **kw)[0]
+                     for e in ("autograd", "reversible")]
+            line += f"; largest batch in {memory[:-3]} GiB: {sizes[1]} vs {sizes[0]}"
+        except Exception as err:  # noqa: BLE001 - the headline reports, never fails the run
+            line += f"; largest batch not planned ({type(err).__name__}: {err})"
+    return line

@@ -1,0 +1,86 @@
+"""``pareprop plan``: the peak memory of a training step, predicted, and the largest batch.
+
+Nothing is allocated: the step runs on fake tensors (see :func:`pareprop.plan_memory`), so a
+CPU plans GPU sizes in seconds per configuration.
+
+Examples::
+
+    pareprop plan --models rev_vit_base_patch16_224 vit_base_patch16_224 \\
+        --engines reversible autograd plain checkpointed --amp bf16 --memory 80GiB
+    pareprop plan --models rev_swin_tiny --engines reversible --batch-sizes 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pareprop.bench.fields import ALL_ENGINES
+    from pareprop.cli.bench import _positive_int
+
+    p = argparse.ArgumentParser(
+        prog="pareprop plan",
+        description="Predict the peak memory of one training step (forward, loss, backward, "
+        "AdamW) per model, engine and batch without allocating it, and with --memory the "
+        "largest batch that fits.",
+    )
+    p.add_argument("--models", nargs="+", required=True, metavar="NAME",
+                   help="pareprop registry names and timm names (baselines)")
+    p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
+                   help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
+                   "that apply)")
+    p.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=[], metavar="N")
+    p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    p.add_argument("--img-size", type=_positive_int, metavar="PX")
+    p.add_argument("--depth", type=_positive_int, metavar="N", help="total number of blocks")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory to fit in: 80GiB, 80GB or 8e10 (bytes); adds the largest batch")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="device planned for (default: %(default)s)")
+    p.add_argument("--out", default="plan_results", metavar="DIR",
+                   help="where plan.json and plan.png go (default: %(default)s)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+
+    from pareprop.cli.bench import _split
+    from pareprop.memory import parse_memory
+    from pareprop.memory.sweep import format_plan, plan_sweep
+    from pareprop.plots import plot_plan
+
+    try:
+        memory = parse_memory(args.memory) if args.memory is not None else None
+        if not args.batch_sizes and memory is None:
+            raise ValueError("expected --batch-sizes, --memory or both")
+        extra = {} if args.depth is None else {"depth": args.depth}
+        plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
+                          amp=args.amp, img_size=args.img_size, memory_bytes=memory,
+                          device=args.device, **extra)
+    except ValueError as err:
+        print(f"pareprop plan: error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "plan.json")
+    with open(path, "w") as fh:
+        json.dump(plan, fh, indent=1)
+    png = plot_plan(plan, os.path.join(args.out, "plan.png"))
+    print(f"\nwrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

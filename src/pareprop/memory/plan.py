@@ -1,0 +1,246 @@
+"""``plan_memory``: the memory of a training step predicted without allocating it.
+
+NOTE [ Planning under FakeTensorMode ]
+    The model is built on the meta device (no parameter is allocated), its tensors are then
+    made fake (``to_empty`` under ``FakeTensorMode``: shapes, dtypes and storages without
+    data), and the same training step as :func:`pareprop.memory_report` runs on fake inputs
+    while torch's ``MemTracker`` counts every storage created and released. The step traced is
+    therefore the real one: the engine's autograd Function, its recomputation in backward,
+    PaReprop's two live graphs, autocast's casts, AdamW's temporaries.
+
+    Written here because torch has no one-call planner: the meta build (with ``linspace`` on
+    the CPU, see ``_cpu_linspace``), the optimizer state of a later step, the breakdown and the
+    largest-batch search. The trace runs on fake *CPU* tensors even when ``device="cuda"`` is
+    planned (fake CUDA tensors would need a CUDA runtime for RNG state, streams and autocast);
+    for CUDA the optimizer uses CUDA's default multi-tensor (``foreach``) path. What a
+    prediction leaves out is listed in docs/memory.md: the CUDA context and kernel
+    workspaces (cuBLAS, cuDNN), allocator rounding and fragmentation (the caching allocator
+    reserves more than it allocates), the differences between CPU and CUDA autocast (CUDA runs
+    softmax and layer norm in float32 under autocast) and attention kernels, and the extra
+    lifetime that ``record_stream`` gives PaReprop's tensors on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from pareprop.memory.measure import apply_engine, tracked_peak
+from pareprop.memory.report import MemoryReport
+from pareprop.memory.step import amp_dtype, amp_label, create_optimizer_state, make_optimizer
+
+__all__ = ["plan_memory", "largest_batch", "parse_memory", "MAX_BATCH"]
+
+MAX_BATCH = 2**20  # the largest-batch search stops here
+
+
+@dataclass
+class _PlanJob:  # the attributes pareprop.bench.models._build and _make_inputs read
+    model: str
+    engine: str
+    num_classes: int = 1000
+    img_size: Optional[int] = None
+    depth: Optional[int] = None
+    seq_len: Optional[int] = None
+    seed: int = 0
+    model_overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+class _cpu_linspace(TorchFunctionMode):
+    # Some builders turn ``torch.linspace(...)`` into Python floats (drop-path rates); on the
+    # meta device that has no data. A linspace of a few numbers is made on the CPU instead.
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.linspace:
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+# NOTE [ Value checks of text models under FakeTensorMode ]
+#     Fake tensors have no values, so a model that validates its token ids
+#     (``int(ids.min())``) or looks at its padding mask (``bool(mask.all())``) cannot run on
+#     them. While planning, those reductions of integer and boolean tensors (no ``dim``) answer
+#     as for valid ids and a mask without padding: ``min``/``max`` give 0, ``all`` True, ``any``
+#     False (no invalid entry). Text steps are planned without padding, which is also the most
+#     memory a batch of that length can take.
+_VALUE_ANSWERS = {torch.Tensor.min: 0, torch.Tensor.max: 0, torch.Tensor.all: True,
+                  torch.Tensor.any: False}
+
+
+class _planning_values(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in _VALUE_ANSWERS and len(args) == 1 and not kwargs
+                and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()
+                and type(args[0]).__name__ == "FakeTensor"):
+            return _VALUE_ANSWERS[func]
+        return func(*args, **kwargs)
+
+
+def _fake_model(job: _PlanJob, fake_mode: Any) -> Tuple[nn.Module, Any]:
+    from pareprop.bench.models import _build, _model_info
+
+    info = _model_info(job.model)
+    with torch.device("meta"), _cpu_linspace():
+        model = _build(job, info)
+    with fake_mode:
+        model.to_empty(device="cpu")
+    return model, info
+
+
+def _check(name: str, batch_size: Any, engine: str, device: str) -> None:
+    from pareprop.bench.models import _model_source, engines_for
+
+    _model_source(name)  # unknown names raise, naming the close ones
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"expected a positive integer batch size, got {batch_size!r}")
+    if not engines_for(name, [engine]):
+        from pareprop.bench.fields import ALL_ENGINES
+
+        if engine not in ALL_ENGINES:
+            raise ValueError(f"expected engine among {', '.join(ALL_ENGINES)}, got {engine!r}")
+        valid = ", ".join(engines_for(name, ALL_ENGINES))
+        raise ValueError(f"engine {engine!r} does not apply to {name!r} (its engines: {valid})")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"expected device cpu or cuda, got {device!r}")
+
+
+def plan_memory(
+    name: str,
+    batch_size: int,
+    engine: str,
+    amp: Any = None,
+    optimizer: str = "adamw",
+    device: str = "cuda",
+    **overrides: Any,
+) -> MemoryReport:
+    """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
+
+    Args:
+        name: a pareprop model (``rev_vit_base_patch16_224``...) or a timm model
+            (``vit_base_patch16_224``...).
+        batch_size: samples per step.
+        engine: ``autograd``, ``reversible``, ``pareprop`` (reversible models); ``plain`` or
+            ``checkpointed`` (timm's ``set_grad_checkpointing()``) for the others.
+        amp: ``None``/``"none"``, ``"bf16"``, ``"fp16"``.
+        optimizer: ``adamw``, ``adam``, ``sgd`` or ``none``.
+        device: the device planned for (``cuda`` or ``cpu``); see NOTE [ Planning under
+            FakeTensorMode ] for what differs.
+        **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
+            stage), ``seq_len`` (text), ``num_classes`` (default 1000), ``seed``, and any model
+            config field.
+
+    Returns:
+        A :class:`MemoryReport` with ``method="tracked_fake"``.
+
+    Example:
+        ``pareprop.plan_memory("rev_vit_large_patch16_224", 256, "reversible", amp="bf16")``
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pareprop.bench.models import _make_inputs
+
+    _check(name, batch_size, engine, device)
+    dtype = amp_dtype(amp)
+    job = _PlanJob(model=name, engine=engine)
+    for key in ("num_classes", "img_size", "depth", "seq_len", "seed"):
+        if key in overrides:
+            setattr(job, key, overrides.pop(key))
+    job.model_overrides = overrides
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, info = _fake_model(job, fake_mode)
+    if engine == "checkpointed":
+        apply_engine(model, engine)
+    with fake_mode:
+        model.train()
+        inputs = _make_inputs(model, job, info, torch.device("cpu"), batch_size)
+        foreach = True if torch.device(device).type == "cuda" else None
+        opt = make_optimizer(model, optimizer, foreach=foreach)
+        create_optimizer_state(model, opt)
+        with _planning_values():
+            counts, peak = tracked_peak(model, inputs, opt, dtype)
+    return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
+                        amp=amp_label(dtype), device=str(device), method="tracked_fake")
+
+
+def largest_batch(
+    name: str,
+    engine: str,
+    memory_bytes: int,
+    start: int = 1,
+    **plan_kwargs: Any,
+) -> Tuple[int, List[MemoryReport]]:
+    """The largest batch whose planned peak fits in ``memory_bytes``: doubling, then bisection.
+
+    Args:
+        name, engine: as for :func:`plan_memory`.
+        memory_bytes: the memory to fit in.
+        start: the first batch tried.
+        **plan_kwargs: passed to :func:`plan_memory` (``amp``, ``device``, ``img_size``...).
+
+    Returns:
+        ``(largest batch, or 0 when batch 1 does not fit; every report planned, by batch)``.
+    """
+    if memory_bytes <= 0:
+        raise ValueError(f"expected a positive memory size, got {memory_bytes}")
+    reports: Dict[int, MemoryReport] = {}
+
+    def fits(bs: int) -> bool:
+        if bs not in reports:
+            reports[bs] = plan_memory(name, bs, engine, **plan_kwargs)
+        return reports[bs].peak <= memory_bytes
+
+    lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
+    bs = max(1, int(start))
+    while hi is None:
+        if fits(bs):
+            lo = bs
+            if bs >= MAX_BATCH:
+                break
+            bs *= 2
+        else:
+            hi = bs
+    if hi is not None and lo == 0 and hi > 1:
+        lo_try = 1
+        if fits(lo_try):
+            lo = lo_try
+        else:
+            hi = 1
+    while hi is not None and hi - lo > 1 and lo > 0:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, [reports[b] for b in sorted(reports)]
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: Any) -> int:
+    """``"80GiB"``, ``"80GB"``, ``"8e10"`` (bytes), ``"512MiB"`` -> bytes.
+
+    Raises:
+        ValueError: naming the accepted forms, for anything else.
+    """
+    import re
+
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"expected a memory size such as 80GiB, 80GB, 512MiB or 8e10 (bytes), got {text!r}"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"expected a positive memory size, got {text!r}")
+    return size

@@ -1,0 +1,86 @@
+""":class:`MemoryReport`: the memory of one training step, broken down."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+__all__ = ["MemoryReport", "BYTE_FIELDS"]
+
+# The byte fields of a report, in the order tables and plan.json show them.
+BYTE_FIELDS = ("parameters", "gradients", "optimizer_state", "activations", "peak")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+@dataclass
+class MemoryReport:
+    """Memory of one full training step (forward, loss, backward, optimizer step).
+
+    Attributes:
+        parameters: bytes of the model's parameters and buffers.
+        gradients: bytes of the parameters' gradients after backward.
+        optimizer_state: bytes of the optimizer's state after the step (AdamW: two moments per
+            parameter and a step counter). The step measured is not the first one, so the state
+            already exists when it starts, as it does in every step of a training run.
+        activations: bytes the forward (and the loss) allocated that autograd keeps for
+            backward: what depth costs. Parameters, buffers and inputs are not counted here.
+        peak: the most bytes alive at once during the step, everything included.
+        inputs: bytes of the inputs and the targets.
+        transient: ``peak - parameters - optimizer_state - inputs - activations``: what the step
+            adds at its peak on top of what lives across the step and what forward kept, that
+            is the gradients accumulated so far and backward's temporaries (under the
+            reversible engines: one block's rebuilt graphs, two under PaReprop). Never negative:
+            the kept activations are all alive when backward starts.
+        model, engine, batch_size, amp, device: what was measured or planned.
+        method: how ``peak`` was obtained (``cuda_max_allocated``, ``tracked_real``,
+            ``tracked_fake``: see docs/memory.md).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+    inputs: int = 0
+    model: str = ""
+    engine: str = ""
+    batch_size: int = 0
+    amp: str = "none"
+    device: str = "cpu"
+    method: str = ""
+
+    @property
+    def transient(self) -> int:
+        return self.peak - self.parameters - self.optimizer_state - self.inputs - self.activations
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every field, plus ``transient``, as plain Python values (JSON-ready)."""
+        out = dataclasses.asdict(self)
+        out["transient"] = self.transient
+        return out
+
+    def fits(self, memory_bytes: Optional[int]) -> Optional[bool]:
+        """Whether ``peak`` fits in ``memory_bytes``; ``None`` when no memory is given."""
+        return None if memory_bytes is None else self.peak <= memory_bytes
+
+    def table(self) -> str:
+        """A small two-column table in GiB, the parts first and the peak last."""
+        what = f"{self.model or 'model'} / {self.engine or '-'} / batch {self.batch_size}"
+        rows = [
+            ("parameters (+ buffers)", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("inputs", self.inputs),
+            ("activations kept after forward", self.activations),
+            ("transient at the peak (grads + backward)", self.transient),
+            ("peak of the step", self.peak),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{what}  ({self.device}, amp {self.amp}, {self.method})",
+                 f"{'':<{width}}  {'GiB':>9}"]
+        lines += [f"{name:<{width}}  {_gib(n):>9}" for name, n in rows]
+        return "\n".join(lines)

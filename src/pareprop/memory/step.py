@@ -1,0 +1,151 @@
+"""The training step whose memory is measured (real tensors) or planned (fake tensors).
+
+Both :func:`pareprop.memory_report` and :func:`pareprop.plan_memory` run exactly this code, so
+the two can only differ in how the bytes are counted, never in what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["OPTIMIZERS", "AMP_NAMES"]
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+AMP_NAMES = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def amp_dtype(amp: Any) -> Optional[torch.dtype]:
+    """``None``, ``"none"``, ``"bf16"``, ``"fp16"`` or a torch dtype -> the autocast dtype."""
+    if isinstance(amp, torch.dtype):
+        if amp not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"expected amp bf16 or fp16 (or None), got {amp}")
+        return amp
+    if amp not in AMP_NAMES:
+        raise ValueError(f"expected amp among none, bf16, fp16 (or None), got {amp!r}")
+    return AMP_NAMES[amp]
+
+
+def amp_label(dtype: Optional[torch.dtype]) -> str:
+    return {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def make_optimizer(
+    model: nn.Module, name: str, foreach: Optional[bool] = None
+) -> Optional[torch.optim.Optimizer]:
+    """The optimizer of the step; ``foreach=True`` mimics the CUDA default on fake CPU tensors."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"expected optimizer among {', '.join(OPTIMIZERS)}, got {name!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    return cls(params, lr=1e-4, foreach=foreach)
+
+
+def create_optimizer_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Give the optimizer the state it holds after a first step, without running one.
+
+    A step on zero gradients creates every moment buffer at its real size (the values do not
+    matter for memory), so the measured step starts as every later step of training does.
+    """
+    if optimizer is None:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def unique_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes of the storages of ``tensors``, each storage once (views share one)."""
+    seen: Dict[int, Tuple[Any, int]] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = (st, st.nbytes())  # the storage is held, so its id stays its own
+    return sum(n for _, n in seen.values())
+
+
+def state_tensors(optimizer: Optional[torch.optim.Optimizer]) -> list:
+    if optimizer is None:
+        return []
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+class _SavedBytes:
+    """Storages autograd saves for backward while active, except those given to exclude.
+
+    Held weakly: holding them here would keep them alive into backward and change the peak.
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor]):
+        self._exclude = {id(t.untyped_storage()) for t in exclude}
+        self._keep = [t.untyped_storage() for t in exclude]  # their ids stay theirs
+        self._saved = WeakIdKeyDictionary()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if id(st) not in self._exclude:
+            self._saved[st] = st.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def alive_bytes(self) -> int:
+        return sum(self._saved.values())
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return out["logits"]
+    return out[0]
+
+
+def run_step(
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    optimizer: Optional[torch.optim.Optimizer],
+    dtype: Optional[torch.dtype],
+) -> Dict[str, int]:
+    """One training step; returns the byte counts that do not depend on the counting method.
+
+    Returns:
+        ``parameters``, ``inputs``, ``activations``, ``gradients``, ``optimizer_state``.
+    """
+    params = list(model.parameters()) + list(model.buffers())
+    device_type = inputs[0].device.type
+    counts = {"parameters": unique_bytes(params), "inputs": unique_bytes(inputs)}
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    saved = _SavedBytes(params + list(inputs))
+    autocast = (torch.autocast(device_type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+    with saved.hooks():
+        with autocast:
+            logits = _logits(model(*inputs))
+        logits = logits.float().flatten(0, -2)
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        loss = F.cross_entropy(logits, target)
+    counts["activations"] = saved.alive_bytes()
+    del logits, target
+    loss.backward()
+    del loss
+    counts["gradients"] = unique_bytes(p.grad for p in model.parameters())
+    if optimizer is not None:
+        optimizer.step()
+    counts["optimizer_state"] = unique_bytes(state_tensors(optimizer))
+    return counts

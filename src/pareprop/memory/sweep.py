@@ -1,0 +1,98 @@
+"""Plans of many models, engines and batch sizes: what ``pareprop plan`` prints and writes."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from pareprop.memory.plan import largest_batch, plan_memory
+from pareprop.memory.report import BYTE_FIELDS
+
+__all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
+
+# One record per model, engine and batch size, in plan.json and the printed table.
+PLAN_FIELDS = ("model", "engine", "batch_size", "amp", "img_size", "device", *BYTE_FIELDS,
+               "inputs", "transient", "fits")
+
+
+def plan_sweep(
+    models: Sequence[str],
+    engines: Sequence[str],
+    batch_sizes: Sequence[int] = (),
+    amp: Optional[str] = None,
+    img_size: Optional[int] = None,
+    memory_bytes: Optional[int] = None,
+    device: str = "cuda",
+    **overrides: Any,
+) -> Dict[str, Any]:
+    """Plan every model with every engine that applies to it, at every batch size.
+
+    Args:
+        models, engines: as for ``pareprop bench`` (engines that do not apply are skipped).
+        batch_sizes: batches to plan; with ``memory_bytes`` the largest-batch search adds its own.
+        amp, device, **overrides: passed to :func:`plan_memory` (``depth``, ``num_classes``...).
+        img_size: input side of image models (``None``: the model's).
+        memory_bytes: the memory to fit in; ``None`` plans without a limit.
+
+    Returns:
+        ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
+        "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
+    """
+    from pareprop.bench.models import engines_for
+
+    if img_size is not None:
+        overrides["img_size"] = img_size
+    records: List[Dict[str, Any]] = []
+    largest: List[Dict[str, Any]] = []
+    for name in models:
+        mine = engines_for(name, engines)
+        if not mine:
+            raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
+        for engine in mine:
+            reports = {bs: plan_memory(name, bs, engine, amp=amp, device=device, **overrides)
+                       for bs in sorted(set(batch_sizes))}
+            if memory_bytes is not None:
+                best, searched = largest_batch(name, engine, memory_bytes, amp=amp, device=device,
+                                               **overrides)
+                for r in searched:
+                    reports.setdefault(r.batch_size, r)
+                at = reports.get(best)
+                largest.append({"model": name, "engine": engine, "largest_batch": best,
+                                "peak": at.peak if at is not None else None})
+            for bs in sorted(reports):
+                d = reports[bs].to_dict()
+                d["img_size"] = img_size
+                d["fits"] = reports[bs].fits(memory_bytes)
+                records.append({k: d.get(k) for k in PLAN_FIELDS})
+    return {"memory_bytes": memory_bytes, "records": records, "largest_batch": largest}
+
+
+def _gib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def format_plan(plan: Dict[str, Any]) -> str:
+    """The breakdown per model, engine and batch (GiB), then the largest batch per engine."""
+    head = ("model", "engine", "bs", "params", "grads", "optim", "acts", "transient", "peak GiB",
+            "fits")
+    rows = [head]
+    for r in plan["records"]:
+        rows.append((r["model"], r["engine"], str(r["batch_size"]), _gib(r["parameters"]),
+                     _gib(r["gradients"]), _gib(r["optimizer_state"]), _gib(r["activations"]),
+                     _gib(r["transient"]), _gib(r["peak"]),
+                     "-" if r["fits"] is None else ("yes" if r["fits"] else "no")))
+    out = [_align(rows)]
+    if plan["largest_batch"]:
+        mem = plan["memory_bytes"]
+        rows = [("model", "engine", f"largest batch in {mem / 2**30:.1f} GiB", "peak GiB there")]
+        rows += [(x["model"], x["engine"], str(x["largest_batch"]), _gib(x["peak"]))
+                 for x in plan["largest_batch"]]
+        out.append(_align(rows))
+    return "\n\n".join(out)
+
+
+def _align(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""``memory_report`` (real step) against ``plan_memory`` (fake step), the breakdown, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pareprop
+from pareprop.bench.models import _build, _make_inputs, _model_info
+from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
+from pareprop.memory.plan import _PlanJob
+
+ENGINES = ("autograd", "reversible", "pareprop")
+# One small model per family, with the overrides that keep its step small on the CPU.
+FAMILIES = {
+    "rev_vit_tiny_patch4_32": {},
+    "rev_mvitv2_tiny_32": {},
+    "rev_swin_tiny_32": {"embed_dim": 24, "num_heads": (1, 2, 3, 4)},
+    "rev_roberta_small": {"seq_len": 16, "vocab_size": 512, "embed_dim": 64, "num_heads": 2},
+}
+
+
+def _real(name, engine, batch, amp=None, **overrides):
+    """memory_report of a really built model with the inputs plan_memory makes."""
+    job = _PlanJob(model=name, engine=engine, num_classes=10)
+    job.seq_len = overrides.pop("seq_len", None)
+    job.depth = overrides.pop("depth", None)
+    job.img_size = overrides.pop("img_size", None)
+    job.model_overrides = overrides
+    torch.manual_seed(0)
+    info = _model_info(name)
+    model = _build(job, info)
+    inputs = _make_inputs(model, job, info, torch.device("cpu"), batch)
+    if len(inputs) == 2:  # text: planned without padding (NOTE in memory/plan.py)
+        inputs = (inputs[0], torch.ones_like(inputs[1]))
+    return memory_report(model, inputs, engine=engine, amp=amp)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_plan_agrees_with_the_real_step(name, engine):
+    overrides = dict(FAMILIES[name])
+    real = _real(name, engine, 2, **dict(overrides))
+    plan = plan_memory(name, 2, engine, device="cpu", num_classes=10, **overrides)
+    assert plan.method == "tracked_fake" and real.method == "tracked_real"
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+    for field in ("parameters", "gradients", "optimizer_state", "activations", "inputs"):
+        assert getattr(plan, field) == pytest.approx(getattr(real, field), rel=0.02), field
+
+
+def test_plan_agrees_under_bf16_autocast():
+    real = _real("rev_vit_tiny_patch4_32", "reversible", 2, amp="bf16")
+    plan = plan_memory("rev_vit_tiny_patch4_32", 2, "reversible", amp="bf16", device="cpu",
+                       num_classes=10)
+    assert plan.amp == real.amp == "bf16"
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+
+
+@pytest.mark.parametrize("engine", ["plain", "checkpointed"])
+def test_timm_baselines_plan_and_agree(engine):
+    real = _real("vit_tiny_patch16_224", engine, 1, depth=2, img_size=32)
+    plan = plan_memory("vit_tiny_patch16_224", 1, engine, device="cpu", num_classes=10,
+                       depth=2, img_size=32)
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+
+
+def test_breakdown_adds_up():
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", num_classes=10, depth=3)
+    (x,) = model.example_inputs(4)
+    report = memory_report(model, x, engine="reversible")
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert report.parameters == param_bytes + buffer_bytes
+    assert report.gradients == param_bytes  # every parameter trains, float32
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus a float32 step counter each.
+    assert report.optimizer_state == 2 * param_bytes + 4 * len(params)
+    assert report.inputs == x.numel() * x.element_size()
+    assert report.transient >= report.gradients  # reversible: the peak is late in backward
+    parts = (report.parameters + report.optimizer_state + report.inputs + report.activations
+             + report.transient)
+    assert parts == report.peak
+    d = report.to_dict()
+    assert d["peak"] == report.peak and d["transient"] == report.transient
+    table = report.table()
+    assert "peak of the step" in table and "activations kept after forward" in table
+
+
+def test_the_kept_activations_equal_activation_bytes_less_the_inputs():
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", num_classes=10, engine="autograd")
+    (x,) = model.example_inputs(2)
+    report = memory_report(model, x)
+    kept = pareprop.activation_bytes(model, x)
+    # activation_bytes counts the input image (saved by the patch convolution) as well.
+    assert report.activations + x.numel() * x.element_size() >= kept * 0.98
+    assert report.activations <= kept * 1.02 + 10**5
+
+
+def test_reversible_activations_do_not_grow_with_depth():
+    def acts(engine, depth):
+        return plan_memory("rev_vit_tiny_patch4_32", 4, engine, device="cpu", num_classes=10,
+                           depth=depth).activations
+
+    assert acts("reversible", 8) == acts("reversible", 2)
+    assert acts("pareprop", 8) == acts("pareprop", 2)
+    assert acts("autograd", 8) > 3 * acts("autograd", 2)
+
+
+def test_peak_grows_with_the_batch_and_reversible_keeps_less():
+    small = plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", device="cpu")
+    big = plan_memory("rev_vit_tiny_patch4_32", 64, "autograd", device="cpu")
+    rev = plan_memory("rev_vit_tiny_patch4_32", 64, "reversible", device="cpu")
+    assert big.peak > small.peak and big.activations > 6 * small.activations
+    assert rev.peak < big.peak and rev.activations * 10 < big.activations
+
+
+def test_largest_batch_is_the_boundary():
+    kw = dict(device="cpu", depth=1, num_classes=10)
+    memory = plan_memory("rev_vit_tiny_patch4_32", 12, "autograd", **kw).peak
+    best, reports = largest_batch("rev_vit_tiny_patch4_32", "autograd", memory, **kw)
+    peaks = {r.batch_size: r.peak for r in reports}
+    assert best >= 12 and peaks[best] <= memory
+    assert peaks[best + 1] > memory  # bisection tried the next batch and it did not fit
+    assert largest_batch("rev_vit_tiny_patch4_32", "autograd", 1000, **kw)[0] == 0
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("8e10", 8 * 10**10), ("512MiB", 2**29),
+    ("1.5GiB", 3 * 2**29), (" 16 GiB ", 16 * 2**30),
+])
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80 gigs", "GiB", "-5GiB", "0", "", "80GiBs", "1e"])
+def test_parse_memory_refuses_other_forms(text):
+    with pytest.raises(ValueError, match="expected a .*memory size"):
+        parse_memory(text)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="no_such_model_xyz", batch_size=2, engine="autograd"), "unknown model"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=0, engine="autograd"),
+     "expected a positive integer batch size, got 0"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=2.5, engine="autograd"),
+     "expected a positive integer batch size"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=2, engine="warp"), "expected engine among"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=2, engine="plain"),
+     "does not apply to 'rev_vit_tiny_patch4_32'"),
+    (dict(name="vit_tiny_patch16_224", batch_size=2, engine="reversible"),
+     "does not apply to 'vit_tiny_patch16_224'"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=2, engine="autograd", amp="fp8"),
+     "expected amp among"),
+    (dict(name="rev_vit_tiny_patch4_32", batch_size=2, engine="autograd", optimizer="lion"),
+     "expected optimizer among"),
+])
+def test_plan_refuses_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_memory(**kwargs)
+
+
+def test_memory_report_refuses_non_tensor_inputs():
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", num_classes=10)
+    with pytest.raises(ValueError, match="expected a tensor or a tuple of tensors"):
+        memory_report(model, [1, 2, 3])
+
+
+def test_report_fits():
+    r = MemoryReport(parameters=1, gradients=1, optimizer_state=2, activations=3, peak=10)
+    assert r.fits(10) is True and r.fits(9) is False and r.fits(None) is None

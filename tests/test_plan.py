@@ -1,0 +1,56 @@
+"""``pareprop plan``: the table, plan.json, the plot, the largest batch and bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pareprop.cli import main
+from pareprop.memory import plan_memory
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--models", "rev_vit_tiny_patch4_32", "--depth", "1", "--device", "cpu"]
+
+
+def test_plan_writes_json_and_plot_with_the_largest_batch(tmp_path, capsys):
+    # Deep enough that autograd's kept activations outgrow one block's rebuilt graph.
+    memory = plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", device="cpu", depth=6).peak
+    rc = main(["plan", *SMALL, "--depth", "6", "--engines", "autograd", "reversible",
+               "--batch-sizes", "2", "4", "--memory", str(memory), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["memory_bytes"] == memory
+    for r in plan["records"]:
+        for key in ("model", "engine", "batch_size", "parameters", "gradients",
+                    "optimizer_state", "activations", "peak", "fits"):
+            assert key in r
+        assert r["fits"] == (r["peak"] <= memory)
+    assert {(r["engine"], r["batch_size"]) for r in plan["records"]} >= {
+        ("autograd", 2), ("autograd", 4), ("reversible", 2), ("reversible", 4)}
+    largest = {x["engine"]: x["largest_batch"] for x in plan["largest_batch"]}
+    assert largest["autograd"] >= 8  # the memory is autograd's peak at batch 8
+    assert largest["reversible"] > largest["autograd"]
+    assert (tmp_path / "plan.png").read_bytes()[:8] == PNG_MAGIC
+    assert "largest batch in" in out and "reversible" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory", "80 gigs"], "expected a memory size such as 80GiB"),
+    (["--memory", "80GiB", "--engines", "warp"], "expected an engine that applies"),
+    ([], "expected --batch-sizes, --memory or both"),
+])
+def test_plan_refuses_bad_options(argv, message, tmp_path, capsys):
+    rc = main(["plan", *SMALL, *argv, "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_plan_refuses_an_unknown_model_and_batch_zero(tmp_path, capsys):
+    assert main(["plan", "--models", "no_such_model_xyz", "--batch-sizes", "2",
+                 "--out", str(tmp_path)]) == 2
+    assert "unknown model 'no_such_model_xyz'" in capsys.readouterr().err
+    assert main(["plan", *SMALL, "--batch-sizes", "0", "--out", str(tmp_path)]) == 2
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
