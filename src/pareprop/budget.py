@@ -29,7 +29,14 @@ from pareprop.engine import ReversibleStack
 from pareprop.memory import activation_bytes, parse_memory
 from pareprop.memory.saved import _is_parameter
 
-__all__ = ["MemoryPlan", "BlockCost", "set_memory_budget", "parse_budget"]
+__all__ = [
+    "MemoryPlan",
+    "BlockCost",
+    "set_memory_budget",
+    "parse_budget",
+    "stored_blocks",
+    "apply_stored_blocks",
+]
 
 Budget = Union[int, float, str]
 
@@ -391,3 +398,24 @@ def set_memory_budget(
         cost_unit="s" if cost == "time" else "FLOP",
         blocks=blocks,
     )
+
+
+def stored_blocks(model: nn.Module) -> Dict[str, List[int]]:
+    """``{stack path: stored block indices}`` of the stacks that store any block (JSON-ready:
+    checkpoints record it, so a resumed run stores the same blocks without measuring again)."""
+    return {n: list(s.stored_blocks) for n, s in _stacks(model) if s.stored_blocks}
+
+
+def apply_stored_blocks(model: nn.Module, stored: Dict[str, Sequence[int]]) -> nn.Module:
+    """Store exactly the blocks named in ``stored`` (as :func:`stored_blocks` gives them);
+    every other block is recomputed."""
+    stacks = dict(_stacks(model))
+    unknown = sorted(set(stored) - set(stacks))
+    if unknown:
+        raise ValueError(
+            f"no ReversibleStack named {', '.join(map(repr, unknown))} in "
+            f"{type(model).__name__}; its stacks are {', '.join(map(repr, stacks)) or 'none'}"
+        )
+    for name, stack in stacks.items():
+        stack.store_blocks(stored.get(name, ()))
+    return model

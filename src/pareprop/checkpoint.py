@@ -207,6 +207,7 @@ def save_checkpoint(
     """
     from safetensors.torch import save_model
 
+    from pareprop.budget import stored_blocks
     from pareprop.models import model_spec
 
     model = _unwrap(model)
@@ -235,10 +236,11 @@ def save_checkpoint(
             atomic_write(state, lambda p: torch.save({"format": FORMAT, **train_state}, p))
             files["state"] = STATE
             digests[STATE] = _sha256(state)
+        stored = stored_blocks(model)
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "model": spec,
+            "model": {**spec, "stored_blocks": stored} if stored else spec,
             "epoch": int(epoch),
             "step": int(step),
             "metrics": dict(metrics or {}),
@@ -386,7 +388,8 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
-    """Copy ``ckpt``'s weights into ``model`` (strict), with an error naming any mismatch."""
+    """Copy ``ckpt``'s weights into ``model`` (strict), with an error naming any mismatch, and
+    store the blocks the checkpoint's model stored (``pareprop.set_memory_budget``)."""
     model = _unwrap(model)
     own = model.state_dict()
     missing = sorted(set(own) - set(ckpt.state_dict))
@@ -402,6 +405,10 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
             f"shape mismatch {shapes}"
         )
     model.load_state_dict(ckpt.state_dict, strict=False)
+    # The memory budget's choice travels with the weights: the same blocks stay stored.
+    from pareprop.budget import apply_stored_blocks
+
+    apply_stored_blocks(model, ckpt.meta["model"].get("stored_blocks", {}))
 
 
 def _is_alias(own: Dict[str, torch.Tensor], key: str, saved: Dict[str, torch.Tensor]) -> bool:

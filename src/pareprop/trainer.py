@@ -33,7 +33,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -66,6 +66,9 @@ class TrainConfig:
     model: str = "rev_vit_tiny_patch4_32"
     model_kwargs: Optional[Dict[str, Any]] = None  # None: PRESETS[(model, dataset)] or {}
     engine: str = "reversible"
+    # Activation memory for the reversible engines: bytes ("12GiB") or a fraction 0..1 between
+    # every block recomputed and every block stored (pareprop.set_memory_budget).
+    memory_budget: Optional[Union[str, float]] = None
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
@@ -99,6 +102,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"expected {name} >= 1 (or unset), got {value}")
+        if self.memory_budget is not None:
+            from pareprop.budget import parse_budget
+
+            parse_budget(self.memory_budget)  # refuse a bad budget before anything runs
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if self.model_kwargs is None:
@@ -236,6 +243,7 @@ class Trainer:
                 "--amp fp16 needs a CUDA device (its gradient scaler guards fp16's narrow range); "
                 "use --amp bf16 on the CPU"
             )
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         self.resume = None
         if cfg.resume is not None:
             self.resume = ckpt_lib.load_checkpoint(cfg.resume, train_state=not cfg.eval_only)
@@ -269,6 +277,9 @@ class Trainer:
         model = probe.to(self.device)
         if self.resume is not None:
             ckpt_lib.load_weights(model, self.resume)
+        self.memory_plan = None
+        if self.resume is None and cfg.memory_budget is not None:
+            self.memory_plan = self._apply_memory_budget(model)
         self.model = model  # the bare model; self.net is what the loop calls (maybe DDP)
         # Each process draws its own augmentation and dropout; process 0 matches a
         # single-process run of the same seed.
@@ -321,7 +332,6 @@ class Trainer:
             t_in_epochs=False,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
 
         self.epoch, self.step = 0, 0
         self.best = {"val_acc": -1.0, "epoch": 0}
@@ -329,6 +339,29 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         if self.resume is not None and not cfg.eval_only:
             self._load_train_state(self.resume)
+
+    def _apply_memory_budget(self, model: nn.Module):
+        """Store the blocks that fit ``--memory-budget``, measured on one training batch of the
+        run, under the run's autocast. Costs are FLOPs, not timings, so every process and every
+        rerun of the same config chooses the same blocks; a resumed run takes the stored blocks
+        recorded in its checkpoint instead, so it computes exactly what the first run did."""
+        from pareprop.budget import parse_budget, set_memory_budget
+
+        if self.cfg.engine == "autograd":
+            raise ValueError(
+                "--memory-budget chooses blocks for the reversible engines to store; with "
+                "--engine autograd every block is stored already (use reversible or pareprop)"
+            )
+        parse_budget(self.cfg.memory_budget)  # a clear error before any data is read
+        loader = DataLoader(self.data.train, batch_size=self.cfg.batch_size // max(
+            1, self.dist.world_size * self.cfg.grad_accum))
+        with torch.random.fork_rng(devices=[]):  # augmentation draws: keep the run's RNG
+            images = next(iter(loader))[0].to(self.device)
+        with self._autocast():
+            plan = set_memory_budget(model, self.cfg.memory_budget, images,
+                                     engine=self.cfg.engine, cost="flops")
+        self._log(str(plan))
+        return plan
 
     # ------------------------------------------------------------------ state
     def _load_train_state(self, ck: ckpt_lib.Checkpoint) -> None:

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
     p.add_argument(
+        "--memory-budget",
+        help="activation memory for the reversible engines: bytes (12GiB, 8e9) or a fraction "
+        "from 0 (every block recomputed) to 1 (every block stored); the blocks that save the "
+        "most time per byte are stored (pareprop.set_memory_budget)",
+    )
+    p.add_argument(
         "--dataset", help="digits, cifar10, cifar100, or a path to an image folder (default digits)"
     )
     p.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
