@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         family_ref = "rev autograd" if name.startswith("rev") else "timm plain"
         median = statistics.median(times[name])
         rows.append(dict(config=name, activation_mib=memory[name], step_ms=median,
-                         step_ms_min=min(times[name]),
+                         step_ms_min=min(times[name]), times_ms=times[name],
                          vs_own_autograd=median / statistics.median(times[family_ref]),
                          vs_own_autograd_min=min(times[name]) / min(times[family_ref])))
     print(_table(rows))

@@ -158,7 +158,9 @@ def test_cli_end_to_end_writes_json_csv_pngs(tmp_path, capsys):
         assert row["status"] == "ok"
 
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["memory_bench_test_tiny_rev.png", "throughput_bench_test_tiny_rev.png"]
+    # One figure per question the sweep can answer: it has two depths and two batch sizes.
+    assert pngs == ["memory_vs_batch_bench_test_tiny_rev.png",
+                    "memory_vs_depth_bench_test_tiny_rev.png", "time_bench_test_tiny_rev.png"]
     for name in pngs:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 1000
@@ -334,3 +336,47 @@ def test_format_summary_headline_ratios():
     text = bench.format_summary(records, {"rev": "base"})
     assert "PaReprop/Reprop best throughput 1.20x" in text
     assert "largest batch 64 vs base plain 32 (2.0x)" in text
+
+
+# --- memory budgets --------------------------------------------------------------------------
+
+
+def test_memory_budgets_store_blocks_and_keep_gradients_exact(tmp_path, capsys):
+    out = tmp_path / "budgets"
+    rc, stdout, _ = _run([
+        "--models", "bench_test_tiny_rev", "--engines", "autograd", "reversible", "pareprop",
+        "--memory-budgets", "0", "0.5", "1", "--batch-sizes", "2", "--depths", "4",
+        "--device", "cpu", "--warmup", "0", "--iters", "1", "--quiet", "--out", str(out),
+    ], capsys)
+    assert rc == 0, stdout
+    records = json.loads((out / "results.json").read_text())
+    by = {(r["engine"], r["memory_budget"]): r for r in records}
+    # autograd runs once; each reversible engine once per budget.
+    assert set(by) == {("autograd", None)} | {
+        (e, b) for e in ("reversible", "pareprop") for b in (0.0, 0.5, 1.0)}
+    for r in records:
+        assert r["status"] == "ok", r["status"]
+    ref = by[("autograd", None)]
+    assert ref["stored_blocks"] is None
+    for engine in ("reversible", "pareprop"):
+        acts = [by[(engine, b)]["activation_bytes"] for b in (0.0, 0.5, 1.0)]
+        stored = [by[(engine, b)]["stored_blocks"] for b in (0.0, 0.5, 1.0)]
+        assert stored[0] == 0 and stored[-1] == 4 and 0 < stored[1] < 4, stored
+        assert acts[0] < acts[1] < acts[2] == ref["activation_bytes"], acts
+        for b in (0.0, 0.5, 1.0):
+            assert by[(engine, b)]["grad_rel_err"] < 1e-4
+    assert "reversible@0.5" in stdout and "pareprop@1 / autograd" in stdout
+    with open(out / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {row["memory_budget"] for row in rows} == {"", "0.0", "0.5", "1.0"}
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "half"])
+def test_memory_budgets_outside_zero_to_one_are_refused(value, tmp_path, capsys):
+    rc, _, err = _run(["--models", "bench_test_tiny_rev", "--memory-budgets", value,
+                       "--device", "cpu", "--out", str(tmp_path / "x")], capsys)
+    assert rc == 2
+    assert "expected a memory budget from 0" in err
+    with pytest.raises(ValueError, match="memory budget to be a fraction"):
+        bench.BenchConfig(models=("bench_test_tiny_rev",), memory_budgets=(2.0,),
+                          device="cpu").validate()

@@ -54,3 +54,51 @@ def test_plan_refuses_an_unknown_model_and_batch_zero(tmp_path, capsys):
     assert "unknown model 'no_such_model_xyz'" in capsys.readouterr().err
     assert main(["plan", *SMALL, "--batch-sizes", "0", "--out", str(tmp_path)]) == 2
     assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+# --- memory budgets --------------------------------------------------------------------------
+
+
+def test_planned_budgets_span_reversible_to_autograd_and_match_a_real_step():
+    import torch
+
+    import pareprop
+    from pareprop.memory import memory_report
+
+    kw = dict(device="cpu", depth=4, num_classes=10)
+    acts = {b: plan_memory("rev_vit_tiny_patch4_32", 4, "reversible", memory_budget=b, **kw)
+            for b in (0, 0.5, 1)}
+    floor = plan_memory("rev_vit_tiny_patch4_32", 4, "reversible", **kw)
+    full = plan_memory("rev_vit_tiny_patch4_32", 4, "autograd", **kw)
+    assert acts[0].activations == floor.activations
+    assert floor.activations < acts[0.5].activations < acts[1].activations
+    assert acts[1].activations == full.activations
+    # The plan of a budget is the real step with the blocks that budget stores.
+    torch.manual_seed(0)
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=4, num_classes=10,
+                                  engine="reversible")
+    x = torch.randn(4, 3, 32, 32)
+    pareprop.set_memory_budget(model, 0.5, x, engine="reversible", cost="flops")
+    real = memory_report(model, (x,))
+    assert real.activations == pytest.approx(acts[0.5].activations, rel=0.02)
+    assert real.peak == pytest.approx(acts[0.5].peak, rel=0.02)
+
+
+def test_plan_cli_shows_what_each_budget_gives(tmp_path, capsys):
+    rc = main(["plan", *SMALL, "--depth", "4", "--engines", "autograd", "reversible",
+               "--memory-budgets", "0", "1", "--batch-sizes", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    got = {(r["engine"], r["memory_budget"]): r["activations"] for r in plan["records"]}
+    assert set(got) == {("autograd", None), ("reversible", 0.0), ("reversible", 1.0)}
+    assert got[("reversible", 0.0)] < got[("reversible", 1.0)] == got[("autograd", None)]
+    assert "reversible@0" in out and "reversible@1" in out
+
+
+def test_a_budget_for_an_engine_without_stored_blocks_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="has none to choose"):
+        plan_memory("rev_vit_tiny_patch4_32", 2, "autograd", device="cpu", memory_budget=0.5)
+    assert main(["plan", *SMALL, "--memory-budgets", "3", "--batch-sizes", "2",
+                 "--out", str(tmp_path)]) == 2
+    assert "expected a memory budget from 0" in capsys.readouterr().err

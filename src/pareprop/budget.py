@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from pareprop.engine import ReversibleStack
 from pareprop.memory import activation_bytes, parse_memory
-from pareprop.memory.saved import _is_parameter
+from pareprop.memory.saved import _is_parameter, storage_key
 
 __all__ = [
     "MemoryPlan",
@@ -206,7 +206,7 @@ def _measure_blocks(
     def pack(t: torch.Tensor) -> torch.Tensor:
         if counting[0] and not _is_parameter(t):
             storage = t.untyped_storage()
-            address = (str(t.device), storage.data_ptr())
+            address = storage_key(t)
             if storage.nbytes() > 0 and address not in sizes:
                 sizes[address] = storage.nbytes()
                 owner[address] = current[0]

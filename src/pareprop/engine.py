@@ -333,9 +333,9 @@ def _forward_parameters(plan: _Plan, index: int) -> Iterator[None]:
 class _Rebuilt:
     """Block l's local graphs, G(Y1) and F(X2), and its reconstructed inputs."""
 
-    y1: Tensor  # leaf: the block's first output, input of G
+    y1: Tensor  # the block's first output, input of G: a leaf (or a leaf's view, if stored)
     g_out: Tensor
-    x2: Tensor  # leaf: the reconstructed second input, input of F
+    x2: Tensor  # the reconstructed second input, input of F: likewise
     f_out: Tensor
     x1: Optional[Tensor]  # reconstructed first input (no graph); None where nobody needs it
 
@@ -386,14 +386,19 @@ def _store(
     keep_x1: bool,
 ) -> _Rebuilt:
     """Forward of a stored block, building the graphs that recover() would rebuild."""
+    # F and G take views of the detached inputs, not the leaves themselves: tools that hook
+    # module inputs in forward (torch's ModTracker, inside MemTracker and so plan_memory) ask
+    # autograd, when our nested autograd.grad runs, whether each input's node will execute,
+    # which autograd cannot answer for a leaf. A view costs no memory, and the gradient
+    # captured at it is the leaf's.
     with torch.enable_grad():
-        x2_leaf = x2.detach().requires_grad_(True)
-        f_out = _call_checked(block, "f", x2_leaf, kwargs)
+        x2_in = x2.detach().requires_grad_(True).view_as(x2)
+        f_out = _call_checked(block, "f", x2_in, kwargs)
         with torch.no_grad():
             y1 = x1 + f_out
-        y1_leaf = y1.detach().requires_grad_(True)
-        g_out = _call_checked(block, "g", y1_leaf, kwargs)
-    return _Rebuilt(y1_leaf, g_out, x2_leaf, f_out, x1 if keep_x1 else None)
+        y1_in = y1.detach().requires_grad_(True).view_as(y1)
+        g_out = _call_checked(block, "g", y1_in, kwargs)
+    return _Rebuilt(y1_in, g_out, x2_in, f_out, x1 if keep_x1 else None)
 
 
 def _take_stored(plan: _Plan, index: int) -> _Rebuilt:

@@ -1,14 +1,20 @@
 """Plots of benchmark records (see :mod:`pareprop.bench`): one line per engine.
 
-Two figures per model, written as PNG with matplotlib's Agg backend (no display needed):
+One figure per question a sweep can answer, per model, written as PNG with matplotlib's Agg
+backend (no display needed). A figure is written only when the sweep has the axis it needs,
+so no line is a single point:
 
-* ``throughput_<model>.png``: samples per second against batch size, one panel per depth
-  (and sequence length for text models).
-* ``memory_<model>.png``: peak memory (left) and activation memory (right) against depth, at
-  the batch size that most configurations of the model ran with.
+* ``memory_vs_depth_<model>.png`` (two depths or more): the peak of the whole step, measured
+  (solid) and planned by :func:`pareprop.plan_memory` (dashed), and the activation memory,
+  against depth.
+* ``memory_vs_batch_<model>.png`` (two batch sizes or more): the same against batch size, at
+  the deepest depth.
+* ``time_<model>.png``: with two batch sizes or more, samples per second against batch size,
+  one panel per depth; otherwise the step time of each engine, grouped by depth.
 
 Configurations that did not finish (``status`` other than ``ok``) are left out of the lines;
-an engine whose largest batch ran out of memory shows where its line stops.
+an engine whose largest batch ran out of memory shows where its line stops. Engines under a
+memory budget (``pareprop bench --memory-budgets``) are lines of their own (``reversible@0.5``).
 """
 
 from __future__ import annotations
@@ -16,14 +22,23 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-__all__ = ["plot_results", "plot_throughput", "plot_memory", "plot_drift", "plot_plan"]
+from pareprop.bench.fields import engine_label  # noqa: E402
+
+__all__ = [
+    "plot_results",
+    "plot_throughput",
+    "plot_step_time",
+    "plot_memory",
+    "plot_drift",
+    "plot_plan",
+]
 
 _MIB = 2**20
 _MAX_PANELS = 4
@@ -34,7 +49,18 @@ def _safe(name: str) -> str:
 
 
 def _engines(records: Sequence[Dict[str, Any]]) -> List[str]:
-    return list(dict.fromkeys(r["engine"] for r in records))
+    return list(dict.fromkeys(engine_label(r) for r in records))
+
+
+def _ok(records: Sequence[Dict[str, Any]], engine: str) -> List[Dict[str, Any]]:
+    return [r for r in records if engine_label(r) == engine and r["status"] == "ok"]
+
+
+def _save(fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot_throughput(records: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
@@ -55,12 +81,8 @@ def plot_throughput(records: Sequence[Dict[str, Any]], path: str, title: str = "
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, (depth, seq_len) in zip(axes[0], panels):
         for engine in _engines(records):
-            pts = sorted(
-                (r["batch_size"], r["samples_per_s"])
-                for r in records
-                if r["engine"] == engine and r["depth"] == depth and r["seq_len"] == seq_len
-                and r["status"] == "ok"
-            )
+            pts = sorted((r["batch_size"], r["samples_per_s"]) for r in _ok(records, engine)
+                         if r["depth"] == depth and r["seq_len"] == seq_len)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=engine)
         label = f"depth {depth}" + (f", seq {seq_len}" if seq_len is not None else "")
@@ -72,65 +94,120 @@ def plot_throughput(records: Sequence[Dict[str, Any]], path: str, title: str = "
         if ax.lines:
             ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
-def plot_memory(records: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
-    """Peak and activation memory (MiB) against depth, one line per engine.
-
-    Uses the batch size (and sequence length) that most of ``records`` share, so every point of
-    a line differs only in depth.
+def plot_step_time(records: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
+    """Median step time (ms) of each engine, bars grouped by depth, min-max as error bars.
 
     Returns:
         ``path``.
     """
-    batch, seq_len = Counter((r["batch_size"], r["seq_len"]) for r in records).most_common(1)[0][0]
+    batch, seq_len = _common_batch(records)
     chosen = [r for r in records if r["batch_size"] == batch and r["seq_len"] == seq_len]
+    depths = sorted({r["depth"] for r in chosen if r["depth"] is not None}) or [None]
+    engines = _engines(chosen)
+    width = 0.8 / max(len(engines), 1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(depths) * len(engines)), 3.8))
+    for i, engine in enumerate(engines):
+        xs, ys, lo, hi = [], [], [], []
+        for j, depth in enumerate(depths):
+            r = next((r for r in _ok(chosen, engine) if r["depth"] == depth), None)
+            if r is None:
+                continue
+            xs.append(j + (i - (len(engines) - 1) / 2) * width)
+            ys.append(r["step_ms_median"])
+            lo.append(r["step_ms_median"] - r["step_ms_min"])
+            hi.append(r["step_ms_max"] - r["step_ms_median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=engine)
+    ax.set_xticks(range(len(depths)), [f"depth {d}" if d is not None else "" for d in depths])
+    ax.set_ylabel("step time (ms, median; bars: min-max)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    seq = f", seq {seq_len}" if seq_len is not None else ""
+    fig.suptitle(f"{title} (batch {batch}{seq})", fontsize=10)
+    return _save(fig, path)
+
+
+def _common_batch(records: Sequence[Dict[str, Any]]):
+    return Counter((r["batch_size"], r["seq_len"]) for r in records).most_common(1)[0][0]
+
+
+def plot_memory(
+    records: Sequence[Dict[str, Any]], path: str, title: str = "", against: str = "depth"
+) -> str:
+    """Peak of the step and activation memory (MiB) against ``depth`` or ``batch_size``.
+
+    The peak is drawn as measured (``peak_mem_bytes``, solid) and as planned
+    (``planned_peak_bytes``, dashed, the allocator-level count of the same step). Against depth
+    the batch size most records share is used; against batch size the deepest depth.
+
+    Returns:
+        ``path``.
+    """
+    if against == "depth":
+        batch, seq_len = _common_batch(records)
+        chosen = [r for r in records if r["batch_size"] == batch and r["seq_len"] == seq_len]
+        fixed = f"batch {batch}" + (f", seq {seq_len}" if seq_len is not None else "")
+        xlabel = "depth (blocks)"
+    elif against == "batch_size":
+        depth = max((r["depth"] for r in records if r["depth"] is not None), default=None)
+        chosen = [r for r in records if r["depth"] == depth]
+        fixed = f"depth {depth}"
+        xlabel = "batch size"
+    else:
+        raise ValueError(f"expected against='depth' or 'batch_size', got {against!r}")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False)
-    for ax, key, label in (
-        (axes[0][0], "peak_mem_bytes", "peak memory (MiB)"),
-        (axes[0][1], "activation_bytes", "activation memory (MiB)"),
-    ):
-        for engine in _engines(chosen):
-            pts = sorted(
-                (r["depth"], r[key] / _MIB)
-                for r in chosen
-                if r["engine"] == engine and r["status"] == "ok" and r[key] is not None
-                and r["depth"] is not None
-            )
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=engine)
-        kinds = {r["peak_mem_kind"] for r in chosen if r["peak_mem_kind"]}
-        note = f" [{', '.join(sorted(kinds))}]" if key == "peak_mem_bytes" and kinds else ""
-        ax.set_title(label + note, fontsize=9)
-        ax.set_xlabel("depth (blocks)")
+    peak_ax, act_ax = axes[0]
+    for engine in _engines(chosen):
+        mine = _ok(chosen, engine)
+        line = _line(peak_ax, mine, against, "peak_mem_bytes", "-", engine)
+        color = None if line is None else line.get_color()
+        _line(peak_ax, mine, against, "planned_peak_bytes", "--", None, color)
+        _line(act_ax, mine, against, "activation_bytes", "-", engine, color)
+    kinds = {r["peak_mem_kind"] for r in chosen if r["peak_mem_kind"]}
+    note = f" [{', '.join(sorted(kinds))}]" if kinds else ""
+    peak_ax.set_title(f"peak of the step (MiB): measured{note}, planned dashed", fontsize=9)
+    act_ax.set_title("activation memory kept for backward (MiB)", fontsize=9)
+    for ax in (peak_ax, act_ax):
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("MiB")
         ax.grid(True, alpha=0.3)
+        if against == "batch_size":
+            ax.set_xscale("log", base=2)
         if ax.lines:
-            ax.legend()
-    seq = f", seq {seq_len}" if seq_len is not None else ""
-    fig.suptitle(f"{title} (batch {batch}{seq})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{title} ({fixed})", fontsize=10)
+    return _save(fig, path)
+
+
+def _line(ax: Any, records: Sequence[Dict[str, Any]], x: str, y: str, style: str,
+          label: Optional[str], color: Optional[str] = None) -> Any:
+    pts = sorted((r[x], r[y] / _MIB) for r in records if r[x] is not None and r[y] is not None)
+    if len(pts) < 2:
+        return None
+    return ax.plot(*zip(*pts), style, marker="o", markersize=4, label=label, color=color)[0]
 
 
 def plot_results(records: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
-    """Write both figures for every model in ``records`` into ``out_dir``; return the paths."""
+    """Write the figures each model's records can draw (see the module docstring) into
+    ``out_dir``; return the paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for model in dict.fromkeys(r["model"] for r in records):
         mine = [r for r in records if r["model"] == model]
-        device = mine[0]["device"]
-        dtype = mine[0]["dtype"]
-        title = f"{model} on {device}, {dtype}"
-        paths.append(plot_throughput(mine, os.path.join(out_dir, f"throughput_{_safe(model)}.png"),
-                                     title))
-        paths.append(plot_memory(mine, os.path.join(out_dir, f"memory_{_safe(model)}.png"), title))
+        title = f"{model} on {mine[0]['device']}, {mine[0]['dtype']}"
+        name = _safe(model)
+        batches = {r["batch_size"] for r in mine}
+        if len({r["depth"] for r in mine}) > 1:
+            paths.append(plot_memory(mine, os.path.join(out_dir, f"memory_vs_depth_{name}.png"),
+                                     title, against="depth"))
+        if len(batches) > 1:
+            paths.append(plot_memory(mine, os.path.join(out_dir, f"memory_vs_batch_{name}.png"),
+                                     title, against="batch_size"))
+            paths.append(plot_throughput(mine, os.path.join(out_dir, f"time_{name}.png"), title))
+        else:
+            paths.append(plot_step_time(mine, os.path.join(out_dir, f"time_{name}.png"), title))
     return paths
 
 
@@ -176,11 +253,11 @@ def plot_plan(plan: Dict[str, Any], path: str) -> str:
         ``path``.
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = list(dict.fromkeys((r["model"], r["engine"]) for r in plan["records"]))
+    keys = list(dict.fromkeys((r["model"], engine_label(r)) for r in plan["records"]))
     for model, engine in keys:
         pts = sorted((r["batch_size"], r["peak"] / 2**30) for r in plan["records"]
-                     if (r["model"], r["engine"]) == (model, engine))
-        style = "-" if engine in ("autograd", "reversible", "pareprop") else "--"
+                     if (r["model"], engine_label(r)) == (model, engine))
+        style = "--" if engine in ("plain", "checkpointed") else "-"
         ax.plot(*zip(*pts), style, marker="o" if len(pts) > 1 else "s", markersize=3,
                 label=f"{model} {engine}" if len(keys) > 1 else engine)
     if plan.get("memory_bytes"):

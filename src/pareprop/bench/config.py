@@ -21,6 +21,10 @@ class BenchConfig:
     Attributes:
         models: registry names (pareprop's, then timm's).
         engines: any of :data:`ALL_ENGINES`; each model runs those that apply to it.
+        memory_budgets: fractions of a memory budget between 0 (every block recomputed) and 1
+            (every block stored) for the reversible engines, each chosen on the benchmarked
+            batch by :func:`pareprop.set_memory_budget` (FLOP cost); ``None`` runs the engine as
+            it is. Other engines run once, without a budget.
         batch_sizes: batch sizes, swept in increasing order (a GPU sweep stops growing the
             batch of a model/engine after the first out-of-memory).
         depths: total numbers of blocks; ``None`` keeps the model's own depth. Staged models
@@ -56,6 +60,7 @@ class BenchConfig:
 
     models: Sequence[str] = ("rev_vit_small_patch16_224",)
     engines: Sequence[str] = ENGINES
+    memory_budgets: Sequence[float | None] = (None,)
     batch_sizes: Sequence[int] = (8,)
     depths: Sequence[int | None] = (None,)
     img_size: int | None = None
@@ -90,6 +95,15 @@ class BenchConfig:
             for v in values:
                 if v is not None and (not isinstance(v, int) or v < 1):
                     raise ValueError(f"expected every {what} to be a positive integer, got {v!r}")
+        if not self.memory_budgets:
+            raise ValueError("expected at least one memory budget (or None), got none")
+        for v in self.memory_budgets:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not 0.0 <= v <= 1.0):
+                raise ValueError(
+                    "expected every memory budget to be a fraction from 0 (every block "
+                    f"recomputed) to 1 (every block stored), got {v!r}"
+                )
         if not self.batch_sizes:
             raise ValueError("expected at least one batch size, got none")
         for v in self.seq_lens:
@@ -118,17 +132,18 @@ class BenchConfig:
 def default_config() -> BenchConfig:
     """The small CPU sweep behind ``pareprop bench`` with no options.
 
-    A Rev-ViT-S-like stack (dim 384, 6 heads) at depths 4, 12 and 24 on 64x64 inputs (16 patch
-    tokens) at batch 16, with the three engines, on one CPU thread (steadier on a shared
-    machine). It shows the claim in a few minutes on two cores: reversible costs about one
-    extra forward, and its activation memory does not grow with depth.
+    A Rev-ViT-Ti stack (dim 192, 3 heads) at depths 4, 12 and 24 on 128x128 inputs (64 patch
+    tokens) at batches 4 and 16, with the three engines, on one CPU thread (steadier on a shared
+    machine). At batch 16 the activations autograd keeps outweigh parameters, gradients and
+    AdamW state several times over, as they do when a model does not fit a GPU, so the whole
+    step's peak shows what reversibility saves; reversible costs about one extra forward.
     """
     return BenchConfig(
-        models=("rev_vit_small_patch16_224",),
+        models=("rev_vit_tiny_patch16_224",),
         engines=ENGINES,
-        batch_sizes=(16,),
+        batch_sizes=(4, 16),
         depths=(4, 12, 24),
-        img_size=64,
+        img_size=128,
         device="cpu",
         warmup=1,
         iters=3,

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 from pareprop.engine import ENGINES
 
-__all__ = ["BASELINE_ENGINES", "ALL_ENGINES", "AMP_MODES", "REVERSIBLE_ENGINES", "RECORD_FIELDS"]
+__all__ = [
+    "BASELINE_ENGINES",
+    "ALL_ENGINES",
+    "AMP_MODES",
+    "REVERSIBLE_ENGINES",
+    "RECORD_FIELDS",
+    "engine_label",
+]
 
 BASELINE_ENGINES = ("plain", "checkpointed")
 ALL_ENGINES = tuple(ENGINES) + BASELINE_ENGINES
 AMP_MODES = ("none", "bf16", "fp16")
 REVERSIBLE_ENGINES = ("reversible", "pareprop")
 
-# One record per (model, engine, batch_size, depth, seq_len, device). Order is the CSV column order.
+# One record per (model, engine, memory_budget, batch_size, depth, seq_len, device).
+# Order is the CSV column order.
 RECORD_FIELDS = (
     "model",
     "engine",
+    "memory_budget",
     "batch_size",
     "depth",
     "seq_len",
@@ -32,6 +43,14 @@ RECORD_FIELDS = (
     "peak_reserved_bytes",
     "planned_peak_bytes",
     "activation_bytes",
+    "stored_blocks",
     "grad_rel_err",
     "status",
 )
+
+
+def engine_label(record: Dict[str, Any]) -> str:
+    """The engine of a record as tables and plots show it: ``reversible`` or, under a memory
+    budget (``pareprop bench --memory-budgets``), ``reversible@0.5``."""
+    budget = record.get("memory_budget")
+    return record["engine"] if budget is None else f"{record['engine']}@{budget:g}"

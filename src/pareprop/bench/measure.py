@@ -45,6 +45,7 @@ class _Job:
     threads: int | None
     model_overrides: Dict[str, Any]
     plan: bool = False  # also plan_memory's prediction of this step (planned_peak_bytes)
+    memory_budget: float | None = None  # a fraction: set_memory_budget on this batch first
 
 
 
@@ -135,6 +136,7 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
     record.update(
         model=job.model,
         engine=job.engine,
+        memory_budget=job.memory_budget,
         batch_size=job.batch_size,
         depth=job.depth,
         seq_len=job.seq_len,
@@ -169,6 +171,8 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     if text:
         out["seq_len"] = int(inputs[0].shape[1])
         out["img_size"] = None
+    if job.memory_budget is not None:
+        out["stored_blocks"] = _apply_budget(model, inputs, job, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     scaler = None
     if job.amp == "fp16" and device.type == "cuda":
@@ -237,6 +241,19 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
 
 
 
+def _apply_budget(
+    model: nn.Module, inputs: Tuple[torch.Tensor, ...], job: _Job, device: torch.device
+) -> int:
+    """Store the blocks a memory budget chooses for this batch; return how many."""
+    from pareprop.budget import set_memory_budget
+
+    # FLOP cost: repeatable, so every engine and rerun of a sweep stores the same blocks.
+    with _autocast(device, job.amp):
+        plan = set_memory_budget(model, job.memory_budget, inputs, engine=job.engine,
+                                 cost="flops", repeats=1)
+    return plan.num_stored
+
+
 def _grad_scaler():
     amp_scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
     if amp_scaler is not None:
@@ -267,7 +284,8 @@ def _planned_peak(job: _Job, device: torch.device) -> int | None:
         report = plan_memory(
             job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
             num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
-            seq_len=job.seq_len, seed=job.seed, **job.model_overrides,
+            seq_len=job.seq_len, seed=job.seed, memory_budget=job.memory_budget,
+            **job.model_overrides,
         )
     except Exception:  # noqa: BLE001 - see the docstring
         return None

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any, Dict, List, Sequence, Tuple
 
-from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
+from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES, engine_label
 from pareprop.engine import ENGINES
 
 __all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
@@ -61,7 +61,7 @@ def format_table(records: Sequence[Dict[str, Any]]) -> str:
     rows = [head]
     for r in records:
         rows.append((
-            r["model"], r["engine"], _num(r["depth"], "d"), str(r["batch_size"]),
+            r["model"], _stored_label(r), _num(r["depth"], "d"), str(r["batch_size"]),
             _num(r["seq_len"], "d"),
             _num(r["step_ms_median"], ".1f"), _num(r["step_ms_min"], ".1f"),
             _num(r["step_ms_max"], ".1f"), _num(r["samples_per_s"], ".1f"),
@@ -69,6 +69,13 @@ def format_table(records: Sequence[Dict[str, Any]]) -> str:
             _num(r["grad_rel_err"], ".1e"), str(r["status"])[:60],
         ))
     return _align(rows)
+
+
+def _stored_label(record: Dict[str, Any]) -> str:
+    label = engine_label(record)
+    if record.get("stored_blocks") is not None:
+        label += f" ({record['stored_blocks']} stored)"
+    return label
 
 
 def _align(rows: Sequence[Sequence[str]]) -> str:
@@ -83,29 +90,31 @@ def ratio_summary(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per model, depth, seq_len and batch size: every engine's ratios to its reference.
 
     The reference is ``autograd`` for reversible models and ``plain`` for baselines. Fields:
-    model, depth, batch_size, seq_len, engine, time_ratio (median step time / reference's),
+    model, depth, batch_size, seq_len, engine (with its memory budget: ``reversible@0.5``),
+    time_ratio (median step time / reference's),
     time_ratio_min (the same with the fastest steps, steadier on a busy machine),
     act_ratio (reference's activation bytes / this engine's), peak_ratio (same for peak
     memory), and for ``pareprop`` the throughput ratio to ``reversible`` (speedup_vs_reversible).
     """
-    ok = {(r["model"], r["depth"], r["seq_len"], r["batch_size"], r["engine"]): r
+    ok = {(r["model"], r["depth"], r["seq_len"], r["batch_size"], engine_label(r)): r
           for r in records if r["status"] == "ok"}
     out = []
-    for (model, depth, seq_len, bs, engine), r in ok.items():
+    for (model, depth, seq_len, bs, label), r in ok.items():
+        engine = r["engine"]
         ref_engine = "autograd" if engine in ENGINES else "plain"
-        if engine == ref_engine:
+        if label == ref_engine:
             continue
         ref = ok.get((model, depth, seq_len, bs, ref_engine))
         if ref is None:
             continue
-        row = dict(model=model, depth=depth, seq_len=seq_len, batch_size=bs, engine=engine,
+        row = dict(model=model, depth=depth, seq_len=seq_len, batch_size=bs, engine=label,
                    reference=ref_engine,
                    time_ratio=r["step_ms_median"] / ref["step_ms_median"],
                    time_ratio_min=r["step_ms_min"] / ref["step_ms_min"],
                    act_ratio=_div(ref["activation_bytes"], r["activation_bytes"]),
                    peak_ratio=_div(ref["peak_mem_bytes"], r["peak_mem_bytes"]),
                    speedup_vs_reversible=None)
-        rev = ok.get((model, depth, seq_len, bs, "reversible"))
+        rev = ok.get((model, depth, seq_len, bs, label.replace("pareprop", "reversible", 1)))
         if engine == "pareprop" and rev is not None:
             row["speedup_vs_reversible"] = r["samples_per_s"] / rev["samples_per_s"]
         out.append(row)
@@ -136,7 +145,7 @@ def format_ratios(records: Sequence[Dict[str, Any]]) -> str:
     largest: Dict[Tuple, int] = {}
     for r in records:
         if r["status"] == "ok":
-            key = (r["model"], r["engine"], r["depth"], r["seq_len"])
+            key = (r["model"], engine_label(r), r["depth"], r["seq_len"])
             largest[key] = max(largest.get(key, 0), r["batch_size"])
     if len({r["batch_size"] for r in records}) > 1 and largest:
         fit = [("model", "engine", "depth", "seq", "largest batch that ran")]
@@ -164,7 +173,7 @@ def format_summary(
     largest: Dict[Tuple[str, str], int] = {}
     hit_oom: set = set()
     for r in records:
-        key = (r["model"], r["engine"])
+        key = (r["model"], engine_label(r))
         if r["status"] == "oom":
             hit_oom.add(key)
         if r["status"] != "ok":
@@ -179,9 +188,9 @@ def format_summary(
         return ("" if key in hit_oom else ">=") + str(largest[key])
 
     rows = [("model", "engine", "best samples/s", "at batch", "largest batch", "peak GiB there")]
-    for key in dict.fromkeys((r["model"], r["engine"]) for r in records):
+    for key in dict.fromkeys((r["model"], engine_label(r)) for r in records):
         b = best.get(key)
-        at_largest = [r for r in records if (r["model"], r["engine"]) == key
+        at_largest = [r for r in records if (r["model"], engine_label(r)) == key
                       and r["status"] == "ok" and r["batch_size"] == largest.get(key)]
         peak = at_largest[0]["peak_mem_bytes"] if at_largest else None
         rows.append((key[0], key[1], _num(b and b["samples_per_s"], ".1f"),
@@ -224,7 +233,8 @@ def format_headline(
     Returns:
         The line, or ``""`` when the run has no autograd/reversible pair.
     """
-    ok = [r for r in records if r["status"] == "ok" and r["engine"] in ("autograd", "reversible")]
+    ok = [r for r in records if r["status"] == "ok" and r["engine"] in ("autograd", "reversible")
+          and r.get("memory_budget") is None]
     pairs = {}
     for r in ok:
         pairs.setdefault((r["model"], r["depth"], r["batch_size"], r["seq_len"]), {})[

@@ -10,7 +10,7 @@ import torch
 
 from pareprop.bench.config import BenchConfig
 from pareprop.bench.cpu_memory import _can_reset_rss
-from pareprop.bench.fields import BASELINE_ENGINES
+from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _Job, measure
 from pareprop.bench.models import _model_info, engines_for
@@ -33,12 +33,13 @@ def _jobs(config: BenchConfig) -> List[_Job]:
         # Sequence lengths only multiply the configurations of text models.
         seq_lens = config.seq_lens if _model_info(name).text else (None,)
         for depth in config.depths:
-            for engine in engines:
+            for engine, budget in _engine_budgets(engines, config.memory_budgets):
                 for seq_len in seq_lens:
                     for bs in sorted(config.batch_sizes):
                         jobs.append(
                             _Job(
-                                model=name, engine=engine, batch_size=bs, depth=depth,
+                                model=name, engine=engine, memory_budget=budget,
+                                batch_size=bs, depth=depth,
                                 seq_len=seq_len, device=device, amp=config.amp,
                                 img_size=config.img_size, warmup=config.warmup,
                                 iters=config.iters, num_classes=config.num_classes,
@@ -49,6 +50,18 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                             )
                         )
     return jobs
+
+
+def _engine_budgets(engines: List[str], budgets) -> List[Tuple[str, Any]]:
+    # A memory budget chooses stored blocks for a reversible engine; autograd and the
+    # baselines have nothing to choose and run once.
+    out: List[Tuple[str, Any]] = []
+    for engine in engines:
+        if engine in REVERSIBLE_ENGINES:
+            out += [(engine, None if b is None else float(b)) for b in dict.fromkeys(budgets)]
+        else:
+            out.append((engine, None))
+    return out
 
 
 def run_bench(
@@ -76,7 +89,7 @@ def run_bench(
     bar = _progress(len(jobs), config.progress)
     try:
         for job in jobs:
-            key = (job.model, job.engine, job.depth, job.seq_len)
+            key = (job.model, job.engine, job.memory_budget, job.depth, job.seq_len)
             bar.set_description(f"{job.model} {job.engine} d={job.depth} bs={job.batch_size}")
             record = _empty_record(job)
             if key in failed:

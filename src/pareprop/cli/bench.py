@@ -1,8 +1,9 @@
 """``pareprop bench``: step time and memory of every engine, against standard models.
 
-With no options it runs a small CPU-sized sweep (a Rev-ViT-S-like stack at depths 4, 12, 24
-with the three engines) that shows the claim in a few minutes; every option overrides one part
-of that sweep. See docs/benchmarks.md.
+With no options it runs a small CPU-sized sweep (a Rev-ViT-Ti stack at depths 4, 12, 24 and
+batches 4 and 16 with the three engines, sized so that activations dominate the step's memory)
+that shows the claim in about three minutes; every option overrides one part of that sweep.
+See docs/benchmarks.md.
 
 Examples::
 
@@ -44,6 +45,20 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a memory budget as a fraction from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"expected a memory budget from 0 (every block recomputed) to 1 (every block "
+            f"stored), got {text!r}"
+        )
+    return value
+
+
 def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
     # Accept both "--models a b" and "--models a,b".
     if values is None:
@@ -58,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pareprop bench",
         description="Measure training-step time and memory of every engine (autograd, "
         "reversible, pareprop) and of standard timm baselines (plain, checkpointed). "
-        "With no options: a small CPU sweep of a Rev-ViT-S-like stack at depths 4, 12, 24.",
+        "With no options: a small CPU sweep of a Rev-ViT-Ti stack at depths 4, 12, 24, "
+        "batches 4 and 16, 128 px.",
     )
     p.add_argument("--models", nargs="+", metavar="NAME",
                    help="pareprop registry names (rev_vit_small_patch16_224, text_encoder_base, "
@@ -66,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", nargs="+", metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)}; each model runs those that apply "
                    "(plain/checkpointed: models without a reversible stack)")
+    p.add_argument("--memory-budgets", nargs="+", type=_fraction, metavar="F",
+                   help="memory budgets from 0 (every block recomputed) to 1 (every block "
+                   "stored) for the reversible engines, each chosen on the benchmarked batch")
     p.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="N")
     p.add_argument("--depths", nargs="+", type=_positive_int, metavar="N",
                    help="total number of blocks (staged models change their deepest stage)")
@@ -110,6 +129,8 @@ def _config(args: argparse.Namespace):
         config.depths, config.img_size = (None,), None
     if args.engines is not None:
         config.engines = _split(args.engines)
+    if args.memory_budgets is not None:
+        config.memory_budgets = args.memory_budgets
     if args.batch_sizes is not None:
         config.batch_sizes = args.batch_sizes
     if args.depths is not None:

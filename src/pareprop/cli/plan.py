@@ -8,6 +8,8 @@ Examples::
     pareprop plan --models rev_vit_base_patch16_224 vit_base_patch16_224 \\
         --engines reversible autograd plain checkpointed --amp bf16 --memory 80GiB
     pareprop plan --models rev_swin_tiny --engines reversible --batch-sizes 64 128 256
+    pareprop plan --models rev_vit_base_patch16_224 --engines reversible autograd \\
+        --memory-budgets 0 0.5 1 --amp bf16 --memory 80GiB
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from pareprop.bench.fields import ALL_ENGINES
-    from pareprop.cli.bench import _positive_int
+    from pareprop.cli.bench import _fraction, _positive_int
 
     p = argparse.ArgumentParser(
         prog="pareprop plan",
@@ -42,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_positive_int, metavar="N", help="total number of blocks")
     p.add_argument("--memory", metavar="SIZE",
                    help="memory to fit in: 80GiB, 80GB or 8e10 (bytes); adds the largest batch")
+    p.add_argument("--memory-budgets", nargs="+", type=_fraction, default=[None],
+                   metavar="F", help="memory budgets from 0 (every block recomputed) to 1 "
+                   "(every block stored) for the reversible engines: what each one gives")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
     p.add_argument("--out", default="plan_results", metavar="DIR",
@@ -68,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra = {} if args.depth is None else {"depth": args.depth}
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
-                          device=args.device, **extra)
+                          device=args.device, memory_budgets=args.memory_budgets, **extra)
     except ValueError as err:
         print(f"pareprop plan: error: {err}", file=sys.stderr)
         return 2

@@ -116,6 +116,7 @@ def plan_memory(
     amp: Any = None,
     optimizer: str = "adamw",
     device: str = "cuda",
+    memory_budget: Any = None,
     **overrides: Any,
 ) -> MemoryReport:
     """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
@@ -130,6 +131,10 @@ def plan_memory(
         optimizer: ``adamw``, ``adam``, ``sgd`` or ``none``.
         device: the device planned for (``cuda`` or ``cpu``); see NOTE [ Planning under
             FakeTensorMode ] for what differs.
+        memory_budget: for ``reversible`` and ``pareprop``, a memory budget as
+            :func:`pareprop.set_memory_budget` takes it (a fraction from 0 to 1, or bytes of
+            activations); the blocks it stores are chosen on the fake batch by FLOP cost,
+            as ``pareprop train --memory-budget`` chooses them.
         **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
             stage), ``seq_len`` (text), ``num_classes`` (default 1000), ``seed``, and any model
             config field.
@@ -145,6 +150,11 @@ def plan_memory(
     from pareprop.bench.models import _make_inputs
 
     _check(name, batch_size, engine, device)
+    if memory_budget is not None and engine not in ("reversible", "pareprop"):
+        raise ValueError(
+            f"a memory budget chooses stored blocks of a reversible engine; engine {engine!r} "
+            "has none to choose (use reversible or pareprop, or no budget)"
+        )
     dtype = amp_dtype(amp)
     job = _PlanJob(model=name, engine=engine)
     for key in ("num_classes", "img_size", "depth", "seq_len", "seed"):
@@ -161,10 +171,22 @@ def plan_memory(
         foreach = True if torch.device(device).type == "cuda" else None
         opt = make_optimizer(model, optimizer, foreach=foreach)
         create_optimizer_state(model, opt)
+        if memory_budget is not None:
+            _store_for_budget(model, inputs, memory_budget, engine, dtype)
         with _planning_values():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake")
+
+
+def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget: Any,
+                      engine: str, dtype: Optional[torch.dtype]) -> None:
+    from pareprop.budget import set_memory_budget
+
+    autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
+                else torch.autocast("cpu", enabled=False))
+    with autocast, _planning_values():
+        set_memory_budget(model, budget, inputs, engine=engine, cost="flops", repeats=1)
 
 
 def largest_batch(
@@ -174,7 +196,11 @@ def largest_batch(
     start: int = 1,
     **plan_kwargs: Any,
 ) -> Tuple[int, List[MemoryReport]]:
-    """The largest batch whose planned peak fits in ``memory_bytes``: doubling, then bisection.
+    """The largest batch whose planned peak fits in ``memory_bytes``.
+
+    A step's peak grows almost linearly with the batch, so each next batch tried is where the
+    line through the last two plans meets ``memory_bytes`` (secant steps, a handful of plans),
+    and bisection finishes the bracket: the answer is exact either way.
 
     Args:
         name, engine: as for :func:`plan_memory`.
@@ -189,34 +215,70 @@ def largest_batch(
         raise ValueError(f"expected a positive memory size, got {memory_bytes}")
     reports: Dict[int, MemoryReport] = {}
 
-    def fits(bs: int) -> bool:
+    def peak(bs: int) -> int:
         if bs not in reports:
             reports[bs] = plan_memory(name, bs, engine, **plan_kwargs)
-        return reports[bs].peak <= memory_bytes
+        return reports[bs].peak
 
-    lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    bs = max(1, int(start))
-    while hi is None:
-        if fits(bs):
-            lo = bs
-            if bs >= MAX_BATCH:
-                break
-            bs *= 2
-        else:
-            hi = bs
-    if hi is not None and lo == 0 and hi > 1:
-        lo_try = 1
-        if fits(lo_try):
-            lo = lo_try
-        else:
-            hi = 1
-    while hi is not None and hi - lo > 1 and lo > 0:
+    def fits(bs: int) -> bool:
+        return peak(bs) <= memory_bytes
+
+    def done() -> List[MemoryReport]:
+        return [reports[b] for b in sorted(reports)]
+
+    first = max(1, int(start))
+    if not fits(first):
+        if first == 1:
+            return 0, done()
+        lo, hi = 0, first
+    else:
+        lo, hi = _secant(peak, memory_bytes, first)
+    while hi is not None and hi - lo > 1:  # lo fits (0: nothing does), hi does not
         mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, done()
+
+
+def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[int, Optional[int]]:
+    """``(lo, hi)``: ``lo`` fits, ``hi`` does not (``None``: MAX_BATCH fits). Each new batch
+    is where the line through the last two plans crosses ``memory_bytes``, kept strictly
+    inside what is known; the peak is nearly linear in the batch, so a few plans close the
+    bracket, and bisection finishes whatever they leave."""
+    lo, hi = first, None
+    points = [(first, peak(first))]
+    guess = min(2 * first, MAX_BATCH)
+    for _ in range(tries):
+        if guess <= lo:
+            guess = lo + 1
+        if hi is not None and guess >= hi:
+            guess = hi - 1
+        if guess <= lo or guess > MAX_BATCH:
+            break
+        p = peak(guess)
+        points.append((guess, p))
+        lo, hi = (guess, hi) if p <= memory_bytes else (lo, guess)
+        if hi is not None and hi - lo <= 1:
+            break
+        (b0, p0), (b1, p1) = points[-2], points[-1]
+        slope = (p1 - p0) / (b1 - b0) if b1 != b0 else 0.0
+        if slope <= 0:  # flat so far: grow geometrically until the peak moves
+            guess = min(2 * max(b0, b1), MAX_BATCH)
         else:
-            hi = mid
-    return lo, [reports[b] for b in sorted(reports)]
+            # At small batches fixed costs hide the per-sample slope, and a plan of a huge
+            # batch is slow: grow at most 16-fold per step.
+            guess = min(int(b1 + (memory_bytes - p1) // slope), 16 * max(b0, b1))
+    if hi is None and lo >= MAX_BATCH:
+        return MAX_BATCH, None
+    if hi is None:
+        # Not bracketed within the tries: double until it is (the old search).
+        b = lo
+        while b < MAX_BATCH:
+            b = min(2 * b, MAX_BATCH)
+            if peak(b) > memory_bytes:
+                return lo, b
+            lo = b
+        return MAX_BATCH, None
+    return lo, hi
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

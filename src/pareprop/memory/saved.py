@@ -15,6 +15,21 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
+def storage_key(t: torch.Tensor) -> Tuple[str, int]:
+    """One key per storage (views of it share it): device and address, for counting bytes.
+
+    A fake tensor (``FakeTensorMode``, as :func:`pareprop.plan_memory` plans) has no address,
+    so its storage object's identity stands in; the caller keeps the tensor alive while it
+    counts, so neither kind of key is reused by another storage meanwhile.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    storage = t.untyped_storage()
+    if isinstance(t, FakeTensor):
+        return (str(t.device), storage._cdata)
+    return (str(t.device), storage.data_ptr())
+
+
 def activation_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """Bytes of the tensors that autograd keeps alive for the backward of ``fn(*args)``.
 
@@ -33,7 +48,7 @@ def activation_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         if not _is_parameter(t):
             storage = t.untyped_storage()
             if storage.nbytes() > 0:
-                saved[(str(t.device), storage.data_ptr())] = storage.nbytes()
+                saved[storage_key(t)] = storage.nbytes()
                 alive.append(t)
         return t
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from pareprop.bench.fields import engine_label
 from pareprop.memory.plan import largest_batch, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
 __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
 
 # One record per model, engine and batch size, in plan.json and the printed table.
-PLAN_FIELDS = ("model", "engine", "batch_size", "amp", "img_size", "device", *BYTE_FIELDS,
+PLAN_FIELDS = ("model", "engine", "memory_budget", "batch_size",
+               "amp", "img_size", "device", *BYTE_FIELDS,
                "inputs", "transient", "fits")
 
 
@@ -22,6 +24,7 @@ def plan_sweep(
     img_size: Optional[int] = None,
     memory_bytes: Optional[int] = None,
     device: str = "cuda",
+    memory_budgets: Sequence[Optional[float]] = (None,),
     **overrides: Any,
 ) -> Dict[str, Any]:
     """Plan every model with every engine that applies to it, at every batch size.
@@ -32,12 +35,16 @@ def plan_sweep(
         amp, device, **overrides: passed to :func:`plan_memory` (``depth``, ``num_classes``...).
         img_size: input side of image models (``None``: the model's).
         memory_bytes: the memory to fit in; ``None`` plans without a limit.
+        memory_budgets: fractions from 0 to 1 planned for the reversible engines (see
+            :func:`pareprop.set_memory_budget`; ``None``: the engine as it is). Other engines
+            are planned once.
 
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
-        "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
+        "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
     """
     from pareprop.bench.models import engines_for
+    from pareprop.bench.sweep import _engine_budgets
 
     if img_size is not None:
         overrides["img_size"] = img_size
@@ -47,21 +54,21 @@ def plan_sweep(
         mine = engines_for(name, engines)
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
-        for engine in mine:
-            reports = {bs: plan_memory(name, bs, engine, amp=amp, device=device, **overrides)
-                       for bs in sorted(set(batch_sizes))}
+        for engine, budget in _engine_budgets(mine, memory_budgets):
+            kw = dict(amp=amp, device=device, memory_budget=budget, **overrides)
+            reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
             if memory_bytes is not None:
-                best, searched = largest_batch(name, engine, memory_bytes, amp=amp, device=device,
-                                               **overrides)
+                best, searched = largest_batch(name, engine, memory_bytes, **kw)
                 for r in searched:
                     reports.setdefault(r.batch_size, r)
                 at = reports.get(best)
-                largest.append({"model": name, "engine": engine, "largest_batch": best,
+                largest.append({"model": name, "engine": engine, "memory_budget": budget,
+                                "largest_batch": best,
                                 "peak": at.peak if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
-                d["img_size"] = img_size
-                d["fits"] = reports[bs].fits(memory_bytes)
+                d.update(img_size=img_size, memory_budget=budget,
+                         fits=reports[bs].fits(memory_bytes))
                 records.append({k: d.get(k) for k in PLAN_FIELDS})
     return {"memory_bytes": memory_bytes, "records": records, "largest_batch": largest}
 
@@ -76,7 +83,7 @@ def format_plan(plan: Dict[str, Any]) -> str:
             "fits")
     rows = [head]
     for r in plan["records"]:
-        rows.append((r["model"], r["engine"], str(r["batch_size"]), _gib(r["parameters"]),
+        rows.append((r["model"], engine_label(r), str(r["batch_size"]), _gib(r["parameters"]),
                      _gib(r["gradients"]), _gib(r["optimizer_state"]), _gib(r["activations"]),
                      _gib(r["transient"]), _gib(r["peak"]),
                      "-" if r["fits"] is None else ("yes" if r["fits"] else "no")))
@@ -84,7 +91,7 @@ def format_plan(plan: Dict[str, Any]) -> str:
     if plan["largest_batch"]:
         mem = plan["memory_bytes"]
         rows = [("model", "engine", f"largest batch in {mem / 2**30:.1f} GiB", "peak GiB there")]
-        rows += [(x["model"], x["engine"], str(x["largest_batch"]), _gib(x["peak"]))
+        rows += [(x["model"], engine_label(x), str(x["largest_batch"]), _gib(x["peak"]))
                  for x in plan["largest_batch"]]
         out.append(_align(rows))
     return "\n\n".join(out)
