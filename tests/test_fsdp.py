@@ -122,9 +122,45 @@ def _worker(rank, world, init_file, out):
                 fsdp.ENABLE_EARLY_REDUCE = True
             results[(family, engine, variant)] = (grads, weights,
                                                   _local_bytes(model) / full_bytes)
+        for family in FAMILIES:
+            results[(family, "bytes")] = _bytes_per_rank(family, rank, world)
+        results["refused"] = _manual_block_wrapper_refused()
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
+
+
+def _bytes_per_rank(family, rank, world):
+    """This rank's share of parameter, gradient and Adam-state bytes after one step."""
+    model = _model(family, "pareprop")
+    full_params = sum(p.numel() for p in model.parameters())
+    fsdp.shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs, y = _batch(family)
+    xs, ys = _half(inputs, y, rank, world)
+    torch.nn.functional.cross_entropy(model(*xs), ys).backward()
+    opt.step()
+    params = sum(_full_local(p).numel() for p in model.parameters())
+    grads = sum(_full_local(p.grad).numel() for p in model.parameters() if p.grad is not None)
+    full_grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = sum(_full_local(t).numel() for st in opt.state.values() for k, t in st.items()
+                if k != "step")
+    return params / full_params, grads / full_grads, state / (2 * full_grads)
+
+
+def _manual_block_wrapper_refused():
+    """fully_shard on a block by hand (not through shard) is still refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pareprop.distributed import check_wrapping
+
+    model = _model("vit", "reversible")
+    fully_shard(model.stack.blocks[0])
+    try:
+        check_wrapping(model)
+    except ValueError as e:
+        return "bypassing the wrapper" in str(e)
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +193,32 @@ def test_sharded_step_matches_one_process(fsdp_results, case):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_rank_holds_half_the_parameters(fsdp_results, family):
+def test_each_rank_holds_half_the_bytes(fsdp_results, family):
     for rank in range(2):
         ratio = fsdp_results[rank][(family, "pareprop", "plain")][2]
         assert 0.4 < ratio < 0.6, ratio
+        params, grads, adam = fsdp_results[rank][(family, "bytes")]
+        for what, share in (("params", params), ("grads", grads), ("adam", adam)):
+            assert 0.4 < share < 0.6, (what, share)
+    totals = [sum(fsdp_results[r][(family, "bytes")][i] for r in range(2)) for i in range(3)]
+    assert all(abs(t - 1) < 1e-9 for t in totals), totals  # the shards partition the model
+
+
+def test_hand_made_fsdp_block_is_still_refused(fsdp_results):
+    assert fsdp_results[0]["refused"] and fsdp_results[1]["refused"]
+
+
+def test_clear_error_without_fully_shard(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_fsdp2(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "torch.distributed.fsdp" and fromlist and "fully_shard" in fromlist:
+            raise ImportError("cannot import name 'fully_shard'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsdp2)
+    assert not fsdp.fsdp_available()
+    with pytest.raises(RuntimeError, match=r"PyTorch >= 2.6.*torch " + torch.__version__[:4]):
+        fsdp.shard(torch.nn.Linear(2, 2))
