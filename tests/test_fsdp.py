@@ -63,10 +63,16 @@ def _micro(inputs, y):
             (tuple(t[half:] for t in inputs), y[half:])]
 
 
-def _grads_and_step(model, batches, full=lambda t: t):
+def _identity(t):
+    return t
+
+
+def _grads_and_step(model, batches, full=_identity):
     """Loss-mean gradients over ``batches`` (micro-batches of one step), then one SGD step."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if full is not _identity:  # FSDP2's no_sync: reduce on the last micro-batch only
+            model.set_requires_gradient_sync(i == len(batches) - 1)
         loss = torch.nn.functional.cross_entropy(model(*x), y) / len(batches)
         loss.backward()
     grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()

@@ -24,6 +24,9 @@ NOTE [ Reversible engines under DDP ]
       bypassing the wrapper's ``forward`` (FSDP would not gather the sharded weights; DDP would
       see gradients it was never told to expect and fail with "Expected to have finished
       reduction"). :func:`wrap_ddp` and :func:`check_wrapping` refuse such models with a message.
+      The exception is :func:`shard` (FSDP2 per block): it tells each stack's engine to gather
+      its blocks itself; see NOTE [ FSDP2 and reversible blocks ] in pareprop/fsdp.py. A
+      ``fully_shard`` applied to a block by hand is still refused: the engine would not know.
 """
 
 from __future__ import annotations
