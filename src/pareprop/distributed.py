@@ -24,6 +24,9 @@ NOTE [ Reversible engines under DDP ]
       bypassing the wrapper's ``forward`` (FSDP would not gather the sharded weights; DDP would
       see gradients it was never told to expect and fail with "Expected to have finished
       reduction"). :func:`wrap_ddp` and :func:`check_wrapping` refuse such models with a message.
+      The exception is :func:`shard` (FSDP2 per block): it tells each stack's engine to gather
+      its blocks itself; see NOTE [ FSDP2 and reversible blocks ] in pareprop/fsdp.py. A
+      ``fully_shard`` applied to a block by hand is still refused: the engine would not know.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "no_sync",
     "wrap_ddp",
     "check_wrapping",
+    "shard",
 ]
 
 
@@ -159,8 +163,11 @@ def check_wrapping(model: nn.Module) -> None:
     for name, stack in model.named_modules():
         if not isinstance(stack, ReversibleStack):
             continue
+        # Blocks sharded by pareprop.fsdp.shard are gathered by the engine itself (NOTE
+        # [ FSDP2 and reversible blocks ] in pareprop/fsdp.py); any other wrapper is bypassed.
+        sharded = {id(b) for b in stack.blocks} if stack._sharding is not None else set()
         for sub_name, sub in stack.named_modules():
-            if sub is stack or not _is_wrapper(sub):
+            if sub is stack or id(sub) in sharded or not _is_wrapper(sub):
                 continue
             where = f"{name}.{sub_name}" if name else sub_name
             raise ValueError(
@@ -216,3 +223,16 @@ def wrap_ddp(
     if device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else 0])
     return nn.parallel.DistributedDataParallel(model, static_graph=static_graph, **ddp_kwargs)
+
+
+def shard(
+    model: nn.Module,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 with each reversible block as a unit: :func:`pareprop.fsdp.shard`."""
+    from pareprop.fsdp import shard as _shard
+
+    return _shard(model, mesh=mesh, mp_policy=mp_policy,
+                  reshard_after_forward=reshard_after_forward)

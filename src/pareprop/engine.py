@@ -290,6 +290,10 @@ class _Plan:
     # Called around each stored block's forward (pareprop.budget measures blocks with it).
     probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
     reconstruction_errors: List[Tuple[float, float]] = field(default_factory=list)
+    # FSDP2: gathers each block around its forward and recomputation and hands its parameter
+    # gradients to FSDP; None when the stack is not sharded (NOTE [ FSDP2 and reversible blocks ]
+    # in pareprop/fsdp.py). A sharded stack's block_params are filled in forward, per block.
+    sharding: Optional[Any] = None
 
 
 @dataclass
@@ -346,6 +350,8 @@ def _relative_error(a: Tensor, b: Tensor) -> float:
 
 
 def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
+    if plan.sharding is not None:
+        plan.sharding.gather(index)
     if plan.stored[index]:
         return _take_stored(plan, index)
     block, record = plan.blocks[index], plan.records[index]
@@ -447,6 +453,8 @@ def _grads(
 ) -> Tuple[Tensor, Tensor]:
     owned = plan.block_params[index]
     params = [p for _, p in owned]
+    if plan.sharding is not None:  # a sharded block's gradients go to FSDP, not the Function
+        param_grads = [None] * len(owned)
     # Y2 = X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
     g_in, *g_params = _vjp(rebuilt.g_out, [rebuilt.y1, *params], dy2)
     dy1_total = dy1 if g_in is None else dy1 + g_in
@@ -460,6 +468,8 @@ def _grads(
             previous = param_grads[slot]
             # a parameter shared by F and G, or by several blocks, sums its gradients
             param_grads[slot] = grad if previous is None else previous + grad
+    if plan.sharding is not None:
+        plan.sharding.reduce(index, params, param_grads)
     return dy1_total, dx2
 
 
@@ -623,6 +633,10 @@ class _ReversibleFunction(torch.autograd.Function):
         keep = plan.debug_tolerance is not None
         stored = plan.stored
         for index, block in enumerate(plan.blocks):
+            sharded = plan.sharding is not None
+            if sharded:
+                plan.sharding.unshard_for_forward(index)
+                plan.block_params[index], plan.block_locations[index] = _block_params(block)
             if stored[index]:
                 keep_x1 = index > 0 and not stored[index - 1]
                 probe = plan.probe(index, x1) if plan.probe else contextlib.nullcontext()
@@ -634,6 +648,8 @@ class _ReversibleFunction(torch.autograd.Function):
             else:
                 plan.graphs.append(None)
                 x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
+            if sharded:
+                plan.sharding.reshard_after_forward(index)
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
         ctx.plan = plan
         # The top block's outputs are what the reversible engines rebuild from; a stored top
@@ -706,6 +722,8 @@ class ReversibleStack(nn.Module):
         self.store_blocks(stored_blocks)
         # Called around each stored block's forward; set only while pareprop.budget measures.
         self._probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
+        # Set by pareprop.fsdp.shard when every block is an FSDP2 unit.
+        self._sharding: Optional[Any] = None
 
     def set_engine(self, name: str) -> "ReversibleStack":
         _check_engine(name)
@@ -754,10 +772,15 @@ class ReversibleStack(nn.Module):
         x1, x2 = _full_precision_streams(x1, x2)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             for block in self.blocks:
-                x1, x2 = _couple(block, x1, x2, kwargs)
+                # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
+                # backward hooks), as for any FSDP unit.
+                sharded = self._sharding is not None
+                x1, x2 = block(x1, x2, **kwargs) if sharded else _couple(block, x1, x2, kwargs)
             return x1, x2
         params, block_params, block_locations = self._trainable_params()
-        if not (x1.requires_grad or x2.requires_grad or params):
+        if self._sharding is not None:
+            self._sharding.check_inputs(x1, x2)
+        elif not (x1.requires_grad or x2.requires_grad or params):
             with torch.no_grad():
                 return self.forward(x1, x2, **kwargs)
         tolerance, self._debug_tolerance = self._debug_tolerance, None
@@ -774,6 +797,7 @@ class ReversibleStack(nn.Module):
             stored=[i in self.stored_blocks for i in range(len(self.blocks))],
             debug_tolerance=tolerance,
             probe=self._probe,
+            sharding=self._sharding,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
         self.last_reconstruction_errors = plan.reconstruction_errors
@@ -785,22 +809,37 @@ class ReversibleStack(nn.Module):
         block_params: List[List[Tuple[int, Tensor]]] = []
         block_locations: List[List[_ParamLocation]] = []
         for block in self.blocks:
-            owned: Dict[int, Tuple[int, Tensor]] = {}
-            locations = []
-            for module in block.modules():
-                for name, p in module._parameters.items():
-                    if p is None:
-                        continue
-                    locations.append(_ParamLocation(module, name, p, p._version))
-                    if not p.requires_grad or id(p) in owned:
-                        continue
-                    if id(p) not in slots:
-                        slots[id(p)] = len(params)
-                        params.append(p)
-                    owned[id(p)] = (slots[id(p)], p)
-            block_params.append(list(owned.values()))
+            if self._sharding is not None:  # gathered and listed in forward, block by block
+                block_params.append([])
+                block_locations.append([])
+                continue
+            owned, locations = _block_params(block, params, slots)
+            block_params.append(owned)
             block_locations.append(locations)
         return params, block_params, block_locations
+
+
+def _block_params(
+    block: nn.Module, params: Optional[List[Tensor]] = None, slots: Optional[Dict[int, int]] = None
+) -> Tuple[List[Tuple[int, Tensor]], List[_ParamLocation]]:
+    """A block's trainable parameters as (slot in ``params``, tensor), appending new ones to
+    ``params``, and every parameter's location. Without ``params`` the slots are the block's own."""
+    params = [] if params is None else params
+    slots = {} if slots is None else slots
+    owned: Dict[int, Tuple[int, Tensor]] = {}
+    locations = []
+    for module in block.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            locations.append(_ParamLocation(module, name, p, p._version))
+            if not p.requires_grad or id(p) in owned:
+                continue
+            if id(p) not in slots:
+                slots[id(p)] = len(params)
+                params.append(p)
+            owned[id(p)] = (slots[id(p)], p)
+    return list(owned.values()), locations
 
 
 def _check_streams(x1: Tensor, x2: Tensor) -> None:

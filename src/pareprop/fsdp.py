@@ -1,0 +1,214 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with each reversible block as a unit.
+
+NOTE [ FSDP2 and reversible blocks ]
+    Units: each reversible block (the module holding F and G), each other child module that
+    holds parameters and no reversible stack (embeddings, transition / fusion blocks, heads),
+    and the root, which keeps what is left (position embeddings, final norms). Containers
+    (ModuleList, stages) are walked into, not sharded as one unit.
+
+    Gathering. FSDP gathers a unit's parameters in the pre-forward hook of the module's
+    ``__call__``. The reversible engines call each block's ``f`` and ``g`` directly, in forward
+    and in recomputation, so those hooks never fire; instead the engine asks the stack's
+    :class:`_BlockSharding` to gather: ``block.unshard()`` before the block's forward and
+    ``block.reshard()`` after it (when ``reshard_after_forward``), and in backward
+    ``block.unshard()`` before its recomputation, with ``unshard(async_op=True)`` of the next
+    block in recomputation order (the block below) as the explicit prefetch. The unsharded
+    parameters are the same tensor objects at every gather (FSDP refills their storage in
+    place, preserving the version counter), so the graphs a stored block keeps from forward stay
+    valid across a reshard, and the engine's check that parameters were not modified in place
+    between forward and backward still holds. Under the autograd engine (and in eval / no-grad
+    forwards) the stack calls each sharded block through its ``__call__``
+    (``ReversibleBlock.forward`` is the same coupling), so FSDP's own hooks do everything.
+
+    Gradients. A sharded block's parameters are not inputs of the engine's autograd Function
+    (they are sharded DTensors there). The engine differentiates with respect to the gathered
+    parameters, as always with ``torch.autograd.grad``, and hands the block's complete gradients
+    to :meth:`_BlockSharding.reduce`, which accumulates them into the gathered parameters'
+    ``.grad`` (exactly what autograd's AccumulateGrad does for an FSDP unit) and then runs the
+    unit's post-backward: reduce-scatter into the sharded ``.grad`` (or keep accumulating when
+    ``set_requires_gradient_sync(False)``) and reshard. So each block's gradients are
+    reduce-scattered once, right after they are complete, and at most two blocks (PaReprop) or
+    one (Reprop) are gathered in backward.
+
+    What the public API lacks: FSDP2 has no public "reduce-scatter this unit's gradients now".
+    Its post-backward runs from autograd nodes that the pre-forward hook inserts on the inputs of
+    the module's ``forward``; the engine's recomputation is not such a graph (F and G are two
+    calls, the unit is the block, and the gradients come from ``autograd.grad``, which fills no
+    ``.grad``). So :func:`_post_backward` calls the unit's param group ``post_backward()``, the
+    very method those nodes call: the one private touch point, kept in that function. Should a
+    torch lack it, gradients are still exact: FSDP's end-of-backward callback runs
+    post-backward for every unit whose hook did not fire, so all blocks reduce at the end of
+    backward instead (more memory, same numbers; tests run both paths).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from pareprop.engine import ReversibleBlock, ReversibleStack
+
+__all__ = ["shard", "fsdp_available"]
+
+# Norm layers stay with their parent's unit: a unit per LayerNorm costs a collective for a few
+# hundred numbers.
+_KEPT_WITH_PARENT = (nn.LayerNorm, nn.GroupNorm)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def fsdp_available() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as e:
+        raise RuntimeError(
+            f"FSDP2 needs torch.distributed.fsdp.fully_shard (PyTorch >= 2.6); this is torch "
+            f"{torch.__version__}. Upgrade PyTorch, or train with DDP (no --fsdp)"
+        ) from e
+    return fully_shard
+
+
+def _post_backward(block: nn.Module) -> bool:
+    """Run ``block``'s FSDP post-backward now (see the module NOTE); False where this torch
+    does not expose it, leaving the reduction to FSDP's end-of-backward callback."""
+    if not ENABLE_EARLY_REDUCE:
+        return False
+    state = getattr(block, "_get_fsdp_state", None)
+    groups = getattr(state(), "_fsdp_param_groups", None) if state is not None else None
+    if not groups or not all(callable(getattr(g, "post_backward", None)) for g in groups):
+        return False
+    for group in groups:
+        group.post_backward()
+    return True
+
+
+# Tests switch this off to check the end-of-backward fallback.
+ENABLE_EARLY_REDUCE = True
+
+
+class _BlockSharding:
+    """What a sharded :class:`ReversibleStack`'s engine asks of FSDP, block by block."""
+
+    def __init__(self, blocks: List[nn.Module], reshard_after_forward: bool):
+        self.blocks = blocks
+        self.reshard_after = reshard_after_forward
+        self.pending: Dict[int, Any] = {}  # block index -> UnshardHandle of a prefetch
+
+    def check_inputs(self, x1: torch.Tensor, x2: torch.Tensor) -> None:
+        if not (x1.requires_grad or x2.requires_grad):
+            raise ValueError(
+                "a sharded ReversibleStack under a reversible engine needs stream inputs that "
+                "require grad (the engine's backward carries the blocks' gradients); got two "
+                "that do not. Use engine='autograd' for a stack fed by frozen inputs"
+            )
+
+    def _wait(self, index: int) -> None:
+        handle = self.pending.pop(index, None)
+        if handle is not None:
+            handle.wait()
+
+    def unshard_for_forward(self, index: int) -> None:
+        self._wait(index)
+        self.blocks[index].unshard()
+
+    def reshard_after_forward(self, index: int) -> None:
+        if self.reshard_after:
+            self.blocks[index].reshard()
+
+    def gather(self, index: int) -> None:
+        """Before block ``index`` is recomputed: gather it, and prefetch the block below."""
+        self._wait(index)
+        self.blocks[index].unshard()
+        below = index - 1
+        if below >= 0 and below not in self.pending:
+            self.pending[below] = self.blocks[below].unshard(async_op=True)
+
+    def reduce(
+        self, index: int, params: List[torch.Tensor], grads: List[Optional[torch.Tensor]]
+    ) -> None:
+        """Block ``index``'s gradients are complete: into ``.grad``, then FSDP reduces."""
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad + g
+        _post_backward(self.blocks[index])
+
+
+def _units(module: nn.Module) -> List[nn.Module]:
+    """Children of ``module`` (recursively through containers and modules holding a stack)
+    that become their own unit, innermost first; reversible stacks are handled apart."""
+    units: List[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, ReversibleStack):
+            continue
+        holds_stack = any(isinstance(m, ReversibleStack) for m in child.modules())
+        if holds_stack or isinstance(child, _CONTAINERS):
+            units += _units(child)
+        elif not isinstance(child, _KEPT_WITH_PARENT) and any(
+            True for _ in child.parameters()
+        ):
+            units.append(child)
+    return units
+
+
+def shard(
+    model: nn.Module,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2, one unit per reversible block, for every engine.
+
+    Args:
+        model: a pareprop model (or any module holding :class:`ReversibleStack` s), on its
+            device, not yet wrapped.
+        mesh: the 1-D device mesh to shard over; default all processes of the default group.
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; default none.
+        reshard_after_forward: free each unit's gathered parameters after its forward (and
+            gather again in backward); False keeps them until backward (more memory, fewer
+            all-gathers).
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule`` (the optimizer must be built after this).
+
+    Raises:
+        RuntimeError: this torch has no ``fully_shard``, or no process group is initialised.
+        ValueError: the model is already wrapped.
+    """
+    import torch.distributed as tdist
+
+    from pareprop.distributed import _is_wrapper
+
+    fully_shard = _fully_shard()
+    if not tdist.is_available() or not tdist.is_initialized():
+        raise RuntimeError(
+            "shard needs an initialised process group: start with torchrun, or call "
+            "torch.distributed.init_process_group first"
+        )
+    if any(_is_wrapper(m) for m in model.modules()):
+        raise ValueError("the model already holds a DDP/FSDP wrapper; shard the bare model once")
+    kwargs: Dict[str, Any] = {"reshard_after_forward": bool(reshard_after_forward)}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for stack in [m for m in model.modules() if isinstance(m, ReversibleStack)]:
+        blocks = list(stack.blocks)
+        for block in blocks:
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(f"expected ReversibleBlock units, got {type(block).__name__}")
+            fully_shard(block, **kwargs)
+        stack._sharding = _BlockSharding(blocks, bool(reshard_after_forward))
+    for unit in _units(model):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
