@@ -1,7 +1,7 @@
 """Time against activation memory: pareprop's memory budget beside torch's checkpointing.
 
     python benchmarks/memory_budget.py [--depth 24] [--batch-size 16] [--img-size 64]
-        [--rounds 5] [--budgets 0 0.25 0.5 0.75 1] [--every 1 2 3 4 6] [--out DIR]
+        [--rounds 11] [--budgets 0 0.25 0.5 0.75 1] [--every 1 2 3 4 6] [--out DIR]
 
 Rev-ViT-S at the given depth under budgets from 0 (every block recomputed) to 1 (every block
 stored), and its autograd engine; timm's ViT-S at the same depth plain, with every k-th block
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=24)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--img-size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1])
     parser.add_argument("--every", type=int, nargs="+", default=[1, 2, 3, 4, 6])
