@@ -130,7 +130,10 @@ def plot_step_time(records: Sequence[Dict[str, Any]], path: str, title: str = ""
 
 
 def _common_batch(records: Sequence[Dict[str, Any]]):
-    return Counter((r["batch_size"], r["seq_len"]) for r in records).most_common(1)[0][0]
+    # The batch (and sequence length) most records share; among equals the largest, where
+    # activations weigh most.
+    counts = Counter((r["batch_size"], r["seq_len"]) for r in records)
+    return max(counts, key=lambda k: (counts[k], k[0], k[1] or 0))
 
 
 def plot_memory(
