@@ -1,6 +1,7 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
 from pareprop.budget import MemoryPlan, set_memory_budget
+from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
@@ -26,6 +27,9 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "compile_blocks",
+    "uncompile_blocks",
+    "compiled_blocks",
     "debug_reconstruction",
     "activation_bytes",
     "set_memory_budget",
