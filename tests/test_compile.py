@@ -79,7 +79,12 @@ def _errors(got, ref):
     for i, (a, b) in enumerate(zip(got[1], ref[1])):
         errors[f"input:{i}"] = relative_error(a, b)
     for name, b in ref[2].items():
-        errors[f"param:{name}"] = relative_error(got[2][name], b)
+        if b is not None and b.norm() < 1e-12:
+            # MViTv2's key-norm bias: softmax ignores a shift shared by all keys, so its exact
+            # gradient is 0 and a relative error would compare rounding noise; absolute here
+            errors[f"param:{name}"] = (got[2][name] - b).norm().item()
+        else:
+            errors[f"param:{name}"] = relative_error(got[2][name], b)
     return errors
 
 
@@ -166,13 +171,15 @@ def test_whole_model_torch_compile_breaks_only_at_the_stack():
         if engine == "autograd":
             assert explanation.graph_break_count == 0, explanation.break_reasons
         else:
-            # one break: the reversible path runs outside the graph (torch.compiler.disable)
-            assert explanation.graph_break_count == 1, explanation.break_reasons
-            reasons = " ".join(str(r.reason) for r in explanation.break_reasons)
-            assert "disable" in reasons or "skip" in reasons.lower(), reasons
+            # breaks only where the reversible path leaves the graph (torch.compiler.disable);
+            # Dynamo counts that one place once per frame it resumes in (model, stack)
+            assert explanation.graph_break_count >= 1
+            for reason in explanation.break_reasons:
+                assert "_forward_reversible" in str(reason.reason), reason.reason
         got = _step(model, inputs, engine)
+        grads = {k.removeprefix("_orig_mod."): v for k, v in got[2].items()}
         ref = _step(eager, inputs, "autograd")
-        bad = {k: v for k, v in _errors(got, ref).items() if not v < TOL}
+        bad = {k: v for k, v in _errors((got[0], got[1], grads), ref).items() if not v < TOL}
         assert not bad, f"{engine}: {bad}"
 
 
@@ -200,3 +207,50 @@ def test_compile_blocks_refuses_a_model_without_blocks():
         pareprop.compile_blocks(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module"):
         pareprop.compile_blocks("model")
+
+
+def test_stored_blocks_under_compile_match_eager(pair):
+    family, eager, compiled, inputs = pair
+    for stack in (m for m in compiled.modules() if isinstance(m, pareprop.ReversibleStack)):
+        stack.store_blocks([0])
+    try:
+        got = _step(compiled, inputs, "reversible")
+    finally:
+        for stack in (m for m in compiled.modules() if isinstance(m, pareprop.ReversibleStack)):
+            stack.store_blocks([])
+    ref = _step(eager, inputs, "autograd")
+    bad = {k: v for k, v in _errors(got, ref).items() if not v < TOL}
+    assert not bad, f"{family} stored: {bad}"
+
+
+def test_bf16_autocast_on_cpu_under_compile():
+    torch.manual_seed(0)
+    eager, inputs = _vit()
+    eager = eager.float()
+    compiled = pareprop.compile_blocks(copy.deepcopy(eager))
+    x = inputs[0].float()
+    results = {}
+    for name, model, engine in [("eager", eager, "autograd"), ("compiled", compiled, "reversible")]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[name] = _step(model, (x,), engine)
+    got, ref = results["compiled"], results["eager"]
+    errors = _errors(got, ref)
+    # bf16 rounds differently in fused kernels: a loose bound, far below a wrong mask's error
+    bad = {k: v for k, v in errors.items() if not v < 5e-2}
+    assert not bad, bad
+
+
+def test_train_cli_compile(tmp_path):
+    from pareprop.cli.train import main
+    from pareprop.trainer import TrainConfig, Trainer
+
+    torch.set_default_dtype(torch.float32)  # a real run; the autouse fixture restores float64
+    tiny = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, depth=2, num_heads=2)
+    trainer = Trainer(TrainConfig(model="rev_vit_tiny_patch4_32", model_kwargs=tiny, epochs=1,
+                                  batch_size=8, max_steps=1, out=str(tmp_path / "a"),
+                                  progress=False, compile=True))
+    assert pareprop.compiled_blocks(trainer.model) == ["stack.blocks.0", "stack.blocks.1"]
+    args = [f"--model-arg={k}={v}" for k, v in tiny.items()]
+    code = main(["--out", str(tmp_path / "b"), "--epochs", "1", "--max-steps", "1",
+                 "--batch-size", "8", "--compile", "--no-progress", *args])
+    assert code == 0

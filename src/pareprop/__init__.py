@@ -1,8 +1,8 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
 from pareprop.budget import MemoryPlan, set_memory_budget
-from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.checkpoint import CheckpointError, load_model
+from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,

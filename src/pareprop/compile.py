@@ -18,6 +18,8 @@ __all__ = ["compile_blocks", "uncompile_blocks", "compiled_blocks"]
 
 _BRANCHES = ("f", "g")
 _MARK = "_pareprop_compiled"
+# cache entries per F or G code object: a stage shape x grad mode x autocast state each
+_RECOMPILE_LIMIT = 32
 
 # NOTE [ Regional compilation of F and G ]
 # The unit compiled is a block's F or G, not the model: torch's regional compilation recipe.
@@ -29,7 +31,7 @@ _MARK = "_pareprop_compiled"
 # dynamic=False by default: each stage's shape gets its own static graph (automatic dynamic
 # shapes hit inductor errors on MViTv2's pooling), so hierarchical models need a few cache
 # entries per code object; compile_blocks raises Dynamo's recompile_limit (a process-wide
-# setting) to leave room for eight stage shapes per block class and grad mode.
+# setting) to 32 (stage shapes x grad mode x autocast state).
 # The compiled callables are instance attributes that shadow the class's ``f`` and ``g``, so
 # uncompile_blocks only has to delete them, and state_dict keys do not change.
 #
@@ -66,8 +68,9 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         model: a module holding :class:`~pareprop.engine.ReversibleBlock` instances (a
             pareprop model, a :class:`~pareprop.engine.ReversibleStack`, or one block).
         **compile_kwargs: passed to :func:`torch.compile` (``mode``, ``dynamic``, ``backend``,
-            ``options``...). ``fullgraph`` defaults to True, ``dynamic`` to False and inductor's ``fallback_random``
-            to True; see NOTE [ Compiled randomness in recomputation ].
+            ``options``...). ``fullgraph`` defaults to True, ``dynamic`` to False and
+            inductor's ``fallback_random`` to True; see NOTE [ Compiled randomness in
+            recomputation ].
 
     Returns:
         ``model``, whose blocks now run compiled F and G under every engine.
@@ -86,10 +89,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     kwargs: Dict[str, Any] = {"fullgraph": True, "dynamic": False, **compile_kwargs}
     if kwargs.get("backend", "inductor") == "inductor":
         kwargs["options"] = {"fallback_random": True, **(kwargs.get("options") or {})}
-    # one cache entry per block class, stage shape and grad mode (forward / recomputation)
-    shapes_needed = 2 * len({type(block) for block in blocks}) * 8
-    if torch._dynamo.config.recompile_limit < shapes_needed:
-        torch._dynamo.config.recompile_limit = shapes_needed
+    if torch._dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = _RECOMPILE_LIMIT
     for block in blocks:
         uncompile_blocks(block)
         for name in _BRANCHES:
