@@ -2,6 +2,7 @@
 
 from pareprop.budget import MemoryPlan, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
+from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
@@ -26,6 +27,9 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "compile_blocks",
+    "uncompile_blocks",
+    "compiled_blocks",
     "debug_reconstruction",
     "activation_bytes",
     "set_memory_budget",

@@ -216,6 +216,8 @@ class _BackendState:
 
 
 def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str, Any]) -> Tensor:
+    if torch.compiler.is_compiling():  # traced (whole-model torch.compile): no _version there
+        return getattr(block, name)(x, **kwargs)
     version = x._version
     out = getattr(block, name)(x, **kwargs)
     if x._version != version:
@@ -777,6 +779,15 @@ class ReversibleStack(nn.Module):
                 sharded = self._sharding is not None
                 x1, x2 = block(x1, x2, **kwargs) if sharded else _couple(block, x1, x2, kwargs)
             return x1, x2
+        return self._forward_reversible(x1, x2, **kwargs)
+
+    # NOTE [ Whole-model torch.compile ]
+    # The reversible path captures generator states and runs an autograd Function whose
+    # backward walks the blocks: nothing Dynamo should trace. So torch.compile(model) breaks
+    # the graph here, at the stack's boundary, and the stack runs its blocks' own f and g
+    # (compiled ones after pareprop.compile_blocks). See docs/compile.md.
+    @torch.compiler.disable
+    def _forward_reversible(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         params, block_params, block_locations = self._trainable_params()
         if self._sharding is not None:
             self._sharding.check_inputs(x1, x2)

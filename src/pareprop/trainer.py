@@ -69,6 +69,8 @@ class TrainConfig:
     # Activation memory for the reversible engines: bytes ("12GiB") or a fraction 0..1 between
     # every block recomputed and every block stored (pareprop.set_memory_budget).
     memory_budget: Optional[Union[str, float]] = None
+    # Compile every block's F and G with torch.compile (pareprop.compile_blocks).
+    compile: bool = False
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
@@ -280,6 +282,10 @@ class Trainer:
         self.memory_plan = None
         if self.resume is None and cfg.memory_budget is not None:
             self.memory_plan = self._apply_memory_budget(model)
+        if cfg.compile:  # after the budget, which measures the blocks eagerly
+            from pareprop.compile import compile_blocks
+
+            compile_blocks(model)
         self.model = model  # the bare model; self.net is what the loop calls (maybe DDP)
         # Each process draws its own augmentation and dropout; process 0 matches a
         # single-process run of the same seed.

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         "most time per byte are stored (pareprop.set_memory_budget)",
     )
     p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile every block's F and G, used in forward and recomputation by every "
+        "engine (pareprop.compile_blocks; off)",
+    )
+    p.add_argument(
         "--dataset", help="digits, cifar10, cifar100, or a path to an image folder (default digits)"
     )
     p.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
