@@ -380,7 +380,9 @@ class RevMViT(ReversibleImageModelMixin, nn.Module):
         self.norm = nn.LayerNorm(width, eps=1e-6)
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
-        self._set_image_pretrained_cfg(crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0)
+        self._set_image_pretrained_cfg(
+            crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=False
+        )
         self._init_weights()
 
     @staticmethod

@@ -17,7 +17,6 @@ that hides the padding, and cropped; odd sizes before a patch merging are padded
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Set, Tuple, Union
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, to_2tuple
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.layers._config import make_config
 from pareprop.layers.window_attention import (
     WindowAttention,
     padded_size,
@@ -38,6 +38,7 @@ from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
     ReversibleImageModelMixin,
+    drop_path_rates,
     init_weights_,
     make_head,
 )
@@ -112,13 +113,6 @@ class SwinConfig:
         """Total number of blocks."""
         return sum(self.depths)
 
-
-def _config(base: SwinConfig, overrides: Dict[str, Any]) -> SwinConfig:
-    valid = [f.name for f in dataclasses.fields(SwinConfig)]
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown SwinConfig field(s) {unknown}; valid fields: {valid}")
-    return dataclasses.replace(base, **overrides)
 
 
 def _stage_window(resolution: Tuple[int, int], window: int) -> Tuple[int, int]:
@@ -321,7 +315,7 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
         self.num_classes = cfg.num_classes
         n = len(cfg.depths)
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans, cfg.embed_dim)
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         res = (cfg.img_size[0] // cfg.patch_size, cfg.img_size[1] // cfg.patch_size)
         stages = []
         for i in range(n):
@@ -352,13 +346,16 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
         self.head_drop = nn.Dropout(cfg.drop_rate)
         # Initialised with everything else by the apply below.
         self.head = make_head(self.num_features, cfg.num_classes, init=False)
-        self._set_image_pretrained_cfg(crop_pct=0.9)
+        self._set_image_pretrained_cfg(crop_pct=0.9, fixed_input_size=False)
         self.apply(init_weights_)
 
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
         w = self.norm.weight  # the new head lives where the model lives
         self._replace_head(num_classes, device=w.device, dtype=w.dtype)
 
@@ -423,7 +420,7 @@ SWIN_VARIANTS: Dict[str, SwinConfig] = {
 
 
 def _create(name: str, **overrides: Any) -> RevSwin:
-    return RevSwin(_config(SWIN_VARIANTS[name], overrides))
+    return RevSwin(make_config(SWIN_VARIANTS[name], **overrides))
 
 
 @register_model

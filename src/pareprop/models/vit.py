@@ -124,7 +124,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.num_features = 2 * cfg.embed_dim
-        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0)
+        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0, fixed_input_size=True)
 
         self.patch_embed = PatchEmbed(
             cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
