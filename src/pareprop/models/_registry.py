@@ -50,6 +50,8 @@ def register_model(
         pretrained: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
+        features_only: bool = False,
+        out_indices: Any = None,
         **overrides: Any,
     ) -> nn.Module:
         for key in _TIMM_KEYWORDS:
@@ -71,6 +73,10 @@ def register_model(
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).
         model.model_name = name
         model.model_kwargs = dict(overrides)
+        if features_only:
+            return _feature_net(model, out_indices)
+        if out_indices is not None:
+            raise ValueError("out_indices is for features_only=True models")
         return model
 
     _MODEL_FACTORIES[name] = factory
@@ -85,6 +91,23 @@ def register_model(
     if not timm_is_model(name):
         timm_register_model(factory)
     return factory
+
+
+def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
+    """timm's ``FeatureGetterNet`` over the model's ``forward_intermediates``: a list of NCHW
+    stage maps, ``feature_info`` describing them (all stages when ``out_indices`` is None)."""
+    from timm.models._features import FeatureGetterNet
+
+    from pareprop.models._features import StageFeaturesMixin
+    from pareprop.models.vit import RevViT
+
+    if not isinstance(model, (StageFeaturesMixin, RevViT)):
+        raise ValueError(
+            f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
+            f"got {type(model).__name__}"
+        )
+    n = len(model.feature_info)
+    return FeatureGetterNet(model, out_indices=n if out_indices is None else out_indices)
 
 
 def list_models(pattern: Optional[str] = None) -> List[str]:

@@ -42,6 +42,7 @@ from pareprop.models._base import (
     init_weights_,
     make_head,
 )
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 
 __all__ = ["SwinConfig", "RevSwinBlock", "RevSwinStage", "RevSwin", "SWIN_VARIANTS"]
@@ -300,7 +301,7 @@ class RevSwinStage(nn.Module):
         return x
 
 
-class RevSwin(ReversibleImageModelMixin, nn.Module):
+class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     """Reversible Swin Transformer for image classification.
 
     Args:
@@ -341,6 +342,15 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
                 )
             )
         self.stages = nn.Sequential(*stages)
+        # Stage i ends fused to embed_dim * 2**i channels; the last keeps both streams.
+        self.feature_info = [
+            {
+                "num_chs": cfg.embed_dim * 2**i * (2 if i == n - 1 else 1),
+                "reduction": cfg.patch_size * 2**i,
+                "module": f"stages.{i}",
+            }
+            for i in range(n)
+        ]
         self.num_features = 2 * cfg.embed_dim * 2 ** (n - 1)
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(cfg.drop_rate)
@@ -373,12 +383,17 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
                 f"expected input height and width multiples of patch_size={p}, got {tuple(x.shape)}"
             )
 
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return self.patch_embed(x)  # (B, H/p, W/p, C)
+
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` -> normalised final tokens ``(B, H', W', num_features)``."""
-        self._check_input(x)
-        x = self.patch_embed(x)  # (B, H/p, W/p, C)
-        x = self.stages(x)  # (B, H', W', 2C_last)
-        return self.norm(x)
+        x = self.stages(self._stem(x))  # (B, H', W', 2C_last)
+        return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x.mean(dim=(1, 2))  # (B, num_features)
