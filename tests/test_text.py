@@ -177,8 +177,10 @@ def test_model_interface():
         assert torch.allclose(first.forward_head(f, pre_logits=True), f[:, 0])
 
 
-def test_timm_and_config_round_trip():
-    model = timm.create_model("rev_roberta_small", num_classes=4, depth=1, vocab_size=VOCAB)
+def test_config_round_trip_and_not_in_timm():
+    # Text encoders live in pareprop's registry only; timm's is for image models.
+    assert not timm.is_model("rev_roberta_small") and not timm.list_models("*roberta*")
+    model = pareprop.create_model("rev_roberta_small", num_classes=4, depth=1, vocab_size=VOCAB)
     assert model.num_classes == 4 and model.head.out_features == 4
     data = json.loads(json.dumps(dataclasses.asdict(model.cfg)))
     assert TextConfig(**data) == model.cfg

@@ -1,4 +1,11 @@
-"""Config dataclasses with keyword overrides, shared by the model families."""
+"""Config dataclasses with keyword overrides: the one convention of all four model families.
+
+# NOTE [ One config convention ]
+# ViT, MViTv2, Swin and the text encoders all build their config as ``make_config(variant,
+# **overrides)``: one check, one error (:class:`ConfigError`, a ``ValueError``) that names the
+# config class, the unknown names and every valid field, so a typo reads the same whichever
+# family it was made in.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,13 @@ import dataclasses
 import typing
 from typing import Any, Dict, TypeVar
 
-__all__ = ["make_config", "config_dict"]
+__all__ = ["ConfigError", "make_config", "config_dict"]
 
 C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """An override names no field of the config; the message lists the valid fields."""
 
 
 def _is_tuple_field(cls: type, name: str) -> bool:
@@ -18,7 +29,7 @@ def _is_tuple_field(cls: type, name: str) -> bool:
 
 
 def make_config(base: C, **overrides: Any) -> C:
-    """``base`` with ``overrides`` applied; unknown names raise ``ValueError``.
+    """``base`` with ``overrides`` applied; unknown names raise :class:`ConfigError`.
 
     Lists are accepted for tuple fields, so a config survives a JSON round trip.
     """
@@ -26,7 +37,7 @@ def make_config(base: C, **overrides: Any) -> C:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown {cls.__name__} field(s) {', '.join(unknown)}; "
             f"valid fields: {', '.join(names)}"
         )

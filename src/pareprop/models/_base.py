@@ -116,14 +116,23 @@ class ClassifierMixin:
     def get_classifier(self) -> nn.Module:
         return self.head
 
+    @property
+    def head_hidden_size(self) -> int:
+        """Width of ``forward_head(x, pre_logits=True)``: the pooled features (timm's name;
+        no model here has a hidden pre-logits layer, so it equals ``num_features``)."""
+        return self.num_features
+
     def _set_pretrained_cfg(
         self, input_size: Tuple[int, ...], mean: Any, std: Any, **extra: Any
     ) -> None:
         """timm's description of the model's input and classifier (``default_cfg`` is timm's
         older name for it); ``extra`` keys go between the statistics and ``classifier``."""
         self.pretrained_cfg: Dict[str, Any] = {
+            "url": "",  # pareprop ships no weights
+            "hf_hub_id": None,
             "input_size": input_size,
             "num_classes": self.num_classes,
+            "pool_size": None,
             "mean": mean,
             "std": std,
             **extra,
@@ -174,15 +183,26 @@ class ReversibleImageModelMixin(ReversibleModelMixin):
     """:class:`ReversibleModelMixin` plus what image classifiers share: their
     ``pretrained_cfg`` and random example batches."""
 
-    def _set_image_pretrained_cfg(self, crop_pct: float) -> None:
-        """``pretrained_cfg`` from ``cfg.in_chans``, ``cfg.img_size`` (H, W), ``cfg.mean`` and
-        ``cfg.std``; the first convolution is ``patch_embed.proj``."""
+    in_chans: int
+
+    def _set_image_pretrained_cfg(self, crop_pct: float, fixed_input_size: bool) -> None:
+        """``pretrained_cfg`` (and ``in_chans``) from ``cfg.in_chans``, ``cfg.img_size`` (H, W),
+        ``cfg.mean`` and ``cfg.std``; the first convolution is ``patch_embed.proj``.
+
+        Args:
+            crop_pct: timm's evaluation crop fraction.
+            fixed_input_size: True where the model accepts only its configured size (learned
+                absolute position embeddings).
+        """
         cfg = self.cfg
+        self.in_chans = cfg.in_chans
         self._set_pretrained_cfg(
             (cfg.in_chans, *cfg.img_size),
             tuple(cfg.mean),
             tuple(cfg.std),
+            fixed_input_size=fixed_input_size,
             crop_pct=crop_pct,
+            crop_mode="center",
             interpolation="bicubic",
             first_conv="patch_embed.proj",
         )

@@ -1,8 +1,17 @@
 """One registry of named models, shared by ``create_model``, the CLI and timm.
 
 A model family registers one-line factories with :func:`register_model`. Each factory takes
-config overrides as keyword arguments. Registration also adds the factory to timm's registry,
-so ``timm.create_model("rev_vit_small_patch16_224")`` works after ``import pareprop``.
+config overrides as keyword arguments. Registration of an image model also adds the factory
+to timm's registry, so ``timm.create_model("rev_vit_small_patch16_224")`` works after
+``import pareprop``; the text encoders stay in pareprop's registry only (timm is an image-model
+library and its tooling feeds every model it lists images).
+
+# NOTE [ device and dtype at build time ]
+# timm's factory passes ``device=`` and ``dtype=`` to every model (``create_model(name,
+# device="meta")`` builds a model that allocates nothing). They say where to build, not what to
+# build, so they are taken off the overrides here and never reach, or are stored in, a config:
+# the model is built under ``torch.device(device)`` (every parameter and buffer is created
+# there, no copy from the CPU) and then cast to ``dtype``.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import fnmatch
 import functools
 from typing import Any, Callable, Dict, List, Optional
 
+import torch
 import torch.nn as nn
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec"]
@@ -23,14 +33,27 @@ _MODEL_FACTORIES: Dict[str, Callable[..., nn.Module]] = {}
 _TIMM_KEYWORDS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 
 
-def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register ``fn`` under its own name in pareprop's registry and in timm's."""
+def register_model(
+    fn: Optional[Callable[..., nn.Module]] = None, *, timm: bool = True
+) -> Any:
+    """Register ``fn`` under its own name in pareprop's registry and, with ``timm=True`` (image
+    models), in timm's. Usable bare (``@register_model``) or as ``@register_model(timm=False)``.
+    """
+    if fn is None:
+        return functools.partial(register_model, timm=timm)
     name = fn.__name__
     if name in _MODEL_FACTORIES:
         raise ValueError(f"model {name!r} is registered twice")
 
     @functools.wraps(fn)
-    def factory(pretrained: bool = False, **overrides: Any) -> nn.Module:
+    def factory(
+        pretrained: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        features_only: bool = False,
+        out_indices: Any = None,
+        **overrides: Any,
+    ) -> nn.Module:
         for key in _TIMM_KEYWORDS:
             overrides.pop(key, None)
         if pretrained:
@@ -38,13 +61,27 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
                 f"pareprop ships no pretrained weights for {name!r}; "
                 "create it with pretrained=False and train it, or load a pareprop checkpoint"
             )
-        model = fn(**overrides)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"expected a floating torch.dtype for dtype, got {dtype!r}")
+        if device is None:
+            model = fn(**overrides)
+        else:
+            with torch.device(device):
+                model = fn(**overrides)
+        if dtype is not None:
+            model.to(dtype=dtype)
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).
         model.model_name = name
         model.model_kwargs = dict(overrides)
+        if features_only:
+            return _feature_net(model, out_indices)
+        if out_indices is not None:
+            raise ValueError("out_indices is for features_only=True models")
         return model
 
     _MODEL_FACTORIES[name] = factory
+    if not timm:
+        return factory
     try:
         from timm.models import register_model as timm_register_model
     except ImportError:  # timm is a declared dependency, but the core works without it
@@ -54,6 +91,23 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     if not timm_is_model(name):
         timm_register_model(factory)
     return factory
+
+
+def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
+    """timm's ``FeatureGetterNet`` over the model's ``forward_intermediates``: a list of NCHW
+    stage maps, ``feature_info`` describing them (all stages when ``out_indices`` is None)."""
+    from timm.models._features import FeatureGetterNet
+
+    from pareprop.models._features import StageFeaturesMixin
+    from pareprop.models.vit import RevViT
+
+    if not isinstance(model, (StageFeaturesMixin, RevViT)):
+        raise ValueError(
+            f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
+            f"got {type(model).__name__}"
+        )
+    n = len(model.feature_info)
+    return FeatureGetterNet(model, out_indices=n if out_indices is None else out_indices)
 
 
 def list_models(pattern: Optional[str] = None) -> List[str]:

@@ -40,6 +40,7 @@ from pareprop.models._base import (
     init_linears_,
     make_head,
 )
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -299,7 +300,7 @@ class MViTStage(nn.Module):
         return x
 
 
-class RevMViT(ReversibleImageModelMixin, nn.Module):
+class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     """Reversible multiscale vision transformer (MViTv2 pooling attention).
 
     Args:
@@ -380,7 +381,9 @@ class RevMViT(ReversibleImageModelMixin, nn.Module):
         self.norm = nn.LayerNorm(width, eps=1e-6)
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
-        self._set_image_pretrained_cfg(crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0)
+        self._set_image_pretrained_cfg(
+            crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=False
+        )
         self._init_weights()
 
     @staticmethod
@@ -415,13 +418,19 @@ class RevMViT(ReversibleImageModelMixin, nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        check_image(x, self.cfg.in_chans, min_size=self.min_size)
+        return self.patch_embed(x)  # (B, H, W, C)
+
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # the norm acts on the pooled features, in forward_head
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the last stage's map ``(B, H', W', num_features)``."""
-        check_image(x, self.cfg.in_chans, min_size=self.min_size)
-        x = self.patch_embed(x)  # (B, H, W, C)
+        x = self._stem(x)
         for stage in self.stages:
             x = stage(x)
-        return x
+        return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.norm(x.mean(dim=(1, 2)))  # (B, C)

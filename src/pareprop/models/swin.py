@@ -17,7 +17,6 @@ that hides the padding, and cropped; odd sizes before a patch merging are padded
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Set, Tuple, Union
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, to_2tuple
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.layers._config import make_config
 from pareprop.layers.window_attention import (
     WindowAttention,
     padded_size,
@@ -38,9 +38,11 @@ from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
     ReversibleImageModelMixin,
+    drop_path_rates,
     init_weights_,
     make_head,
 )
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 
 __all__ = ["SwinConfig", "RevSwinBlock", "RevSwinStage", "RevSwin", "SWIN_VARIANTS"]
@@ -112,13 +114,6 @@ class SwinConfig:
         """Total number of blocks."""
         return sum(self.depths)
 
-
-def _config(base: SwinConfig, overrides: Dict[str, Any]) -> SwinConfig:
-    valid = [f.name for f in dataclasses.fields(SwinConfig)]
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown SwinConfig field(s) {unknown}; valid fields: {valid}")
-    return dataclasses.replace(base, **overrides)
 
 
 def _stage_window(resolution: Tuple[int, int], window: int) -> Tuple[int, int]:
@@ -306,7 +301,7 @@ class RevSwinStage(nn.Module):
         return x
 
 
-class RevSwin(ReversibleImageModelMixin, nn.Module):
+class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     """Reversible Swin Transformer for image classification.
 
     Args:
@@ -321,7 +316,7 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
         self.num_classes = cfg.num_classes
         n = len(cfg.depths)
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans, cfg.embed_dim)
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         res = (cfg.img_size[0] // cfg.patch_size, cfg.img_size[1] // cfg.patch_size)
         stages = []
         for i in range(n):
@@ -347,18 +342,30 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
                 )
             )
         self.stages = nn.Sequential(*stages)
+        # Stage i ends fused to embed_dim * 2**i channels; the last keeps both streams.
+        self.feature_info = [
+            {
+                "num_chs": cfg.embed_dim * 2**i * (2 if i == n - 1 else 1),
+                "reduction": cfg.patch_size * 2**i,
+                "module": f"stages.{i}",
+            }
+            for i in range(n)
+        ]
         self.num_features = 2 * cfg.embed_dim * 2 ** (n - 1)
         self.norm = nn.LayerNorm(self.num_features)
         self.head_drop = nn.Dropout(cfg.drop_rate)
         # Initialised with everything else by the apply below.
         self.head = make_head(self.num_features, cfg.num_classes, init=False)
-        self._set_image_pretrained_cfg(crop_pct=0.9)
+        self._set_image_pretrained_cfg(crop_pct=0.9, fixed_input_size=False)
         self.apply(init_weights_)
 
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
         w = self.norm.weight  # the new head lives where the model lives
         self._replace_head(num_classes, device=w.device, dtype=w.dtype)
 
@@ -376,12 +383,17 @@ class RevSwin(ReversibleImageModelMixin, nn.Module):
                 f"expected input height and width multiples of patch_size={p}, got {tuple(x.shape)}"
             )
 
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return self.patch_embed(x)  # (B, H/p, W/p, C)
+
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` -> normalised final tokens ``(B, H', W', num_features)``."""
-        self._check_input(x)
-        x = self.patch_embed(x)  # (B, H/p, W/p, C)
-        x = self.stages(x)  # (B, H', W', 2C_last)
-        return self.norm(x)
+        x = self.stages(self._stem(x))  # (B, H', W', 2C_last)
+        return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x.mean(dim=(1, 2))  # (B, num_features)
@@ -423,7 +435,7 @@ SWIN_VARIANTS: Dict[str, SwinConfig] = {
 
 
 def _create(name: str, **overrides: Any) -> RevSwin:
-    return RevSwin(_config(SWIN_VARIANTS[name], overrides))
+    return RevSwin(make_config(SWIN_VARIANTS[name], **overrides))
 
 
 @register_model

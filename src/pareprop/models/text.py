@@ -23,7 +23,6 @@ real tokens the same positions.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Set, Tuple
 
@@ -33,8 +32,15 @@ from timm.layers import DropPath, Mlp
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.layers._config import make_config
 from pareprop.layers.attention import attend
-from pareprop.models._base import ClassifierMixin, ReversibleModelMixin, init_weights_, make_head
+from pareprop.models._base import (
+    ClassifierMixin,
+    ReversibleModelMixin,
+    drop_path_rates,
+    init_weights_,
+    make_head,
+)
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -108,13 +114,6 @@ class TextConfig:
                 f"expected pad_token_id in [0, {self.vocab_size}), got {self.pad_token_id}"
             )
 
-
-def _config(base: TextConfig, overrides: Dict[str, Any]) -> TextConfig:
-    valid = [f.name for f in dataclasses.fields(TextConfig)]
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown TextConfig field(s) {unknown}; valid fields: {valid}")
-    return dataclasses.replace(base, **overrides)
 
 
 class TextEmbeddings(nn.Module):
@@ -363,7 +362,7 @@ class RevTextEncoder(ReversibleModelMixin, _TextModel):
         if not cfg.reversible:
             raise ValueError("RevTextEncoder needs cfg.reversible=True; use TextEncoder")
         super().__init__(cfg, num_features=2 * cfg.embed_dim)
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         self.blocks = ReversibleStack(
             [RevTextBlock(cfg, drop_path=dpr[i]) for i in range(cfg.depth)], engine=cfg.engine
         )
@@ -449,25 +448,25 @@ TEXT_VARIANTS: Dict[str, TextConfig] = {
 
 
 def _create(name: str, **overrides: Any) -> _TextModel:
-    cfg = _config(TEXT_VARIANTS[name], overrides)
+    cfg = make_config(TEXT_VARIANTS[name], **overrides)
     return RevTextEncoder(cfg) if cfg.reversible else TextEncoder(cfg)
 
 
-@register_model
+@register_model(timm=False)
 def rev_roberta_base(**kwargs: Any) -> RevTextEncoder:
     return _create("rev_roberta_base", **kwargs)
 
 
-@register_model
+@register_model(timm=False)
 def rev_roberta_small(**kwargs: Any) -> RevTextEncoder:
     return _create("rev_roberta_small", **kwargs)
 
 
-@register_model
+@register_model(timm=False)
 def text_encoder_base(**kwargs: Any) -> TextEncoder:
     return _create("text_encoder_base", **kwargs)
 
 
-@register_model
+@register_model(timm=False)
 def text_encoder_small(**kwargs: Any) -> TextEncoder:
     return _create("text_encoder_small", **kwargs)

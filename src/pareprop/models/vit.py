@@ -11,12 +11,13 @@ the patch tokens and ends with the two streams side by side (width 2C), so the h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.models._features import feature_take_indices
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
@@ -29,6 +30,7 @@ from pareprop.models._base import (
     init_linears_,
     make_head,
 )
+from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
 
 __all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS"]
@@ -124,7 +126,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.num_features = 2 * cfg.embed_dim
-        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0)
+        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0, fixed_input_size=True)
 
         self.patch_embed = PatchEmbed(
             cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
@@ -147,6 +149,11 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
             for i in range(cfg.depth)
         ]
         self.stack = ReversibleStack(blocks, engine=cfg.engine)
+        # One reversible stack: its end is the only feature that costs no memory (NOTE
+        # [ Features from stage ends only ] in models/_features.py).
+        self.feature_info = [
+            {"num_chs": 2 * cfg.embed_dim, "reduction": cfg.patch_size, "module": "stack"}
+        ]
         self.fc_norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
@@ -177,6 +184,45 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
         x1, x2 = self.stack(x, x)
         return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, Sequence[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """timm's ``forward_intermediates`` with one feature, the stack's end, as a map.
+
+        ``indices`` selects that one feature (None, 1, ``[0]`` or ``[-1]``); a block inside
+        the stack raises, as its output is never kept. ``norm`` applies ``fc_norm`` per token.
+        ``stop_early`` changes nothing (there is nothing after the stack's end).
+        """
+        check_output_fmt(output_fmt)
+        take, _ = feature_take_indices(1, indices)
+        tokens = self.forward_features(x)  # (B, N, 2C)
+        y = self.fc_norm(tokens) if norm else tokens
+        y = y.reshape(y.shape[0], *self.grid_size, y.shape[-1])  # (B, H', W', 2C)
+        features = [y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y] * len(
+            take
+        )
+        return features if intermediates_only else (tokens, features)
+
+    def prune_intermediate_layers(
+        self,
+        indices: Optional[Union[int, Sequence[int]]] = 1,
+        prune_norm: bool = False,
+        prune_head: bool = True,
+    ) -> List[int]:
+        """Keeps every block (the one feature is the stack's end); drops the head if asked."""
+        take, _ = feature_take_indices(1, indices)
+        if prune_head:
+            self.reset_classifier(0)
+        if prune_norm:
+            self.fc_norm = nn.Identity()
+        return take
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.fc_norm(x.mean(dim=1))  # (B, 2C)

@@ -1,0 +1,103 @@
+"""Multi-scale features for dense tasks: timm's ``forward_intermediates`` over stage outputs.
+
+# NOTE [ Features from stage ends only ]
+# A reversible stack keeps no inner activations: backward rebuilds them from the stack's
+# output. The output of a stage (its stack's end, fused for the next stage) is kept anyway,
+# because the next stage's first layer saves it as its input, so returning it as a feature
+# costs no memory beyond the tensor the caller holds. Block-level intermediates would mean
+# storing what the engines exist to not store, so the hierarchical models (Rev-MViTv2, Rev-Swin)
+# offer one feature per stage (strides 4, 8, 16, 32 with a stride-4 stem) and Rev-ViT offers
+# the end of its single stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.models._features import feature_take_indices
+
+__all__ = ["StageFeaturesMixin", "check_output_fmt"]
+
+Indices = Optional[Union[int, Sequence[int]]]
+
+
+def check_output_fmt(output_fmt: str) -> None:
+    if output_fmt not in ("NCHW", "NHWC"):
+        raise ValueError(f"expected output_fmt 'NCHW' or 'NHWC', got {output_fmt!r}")
+
+
+class StageFeaturesMixin:
+    """``forward_intermediates`` and ``prune_intermediate_layers`` for models whose
+    ``stages`` map ``(B, H, W, C)`` to ``(B, H', W', C')``.
+
+    The model sets ``stages``, ``norm``, ``feature_info`` (one dict per stage) and defines
+    ``_stem`` (input check and patch embedding) and ``_end`` (what ``forward_features`` does
+    after the last stage).
+    """
+
+    stages: Union[nn.Sequential, nn.ModuleList]
+    norm: nn.Module
+    feature_info: List[Dict[str, Any]]
+    num_features: int
+
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Indices = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Stage outputs as timm defines them.
+
+        Args:
+            x: images ``(B, C, H, W)``.
+            indices: stages to return: the last n if an int, all if None, else these indices.
+            norm: apply the final norm to the last stage's output.
+            stop_early: run no stage after the last one asked for.
+            output_fmt: ``"NCHW"`` (timm's default) or ``"NHWC"``.
+            intermediates_only: return only the list of features.
+
+        Returns:
+            The features, or ``(forward_features output, features)``.
+        """
+        check_output_fmt(output_fmt)
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        last = len(self.stages) - 1
+        x = self._stem(x)
+        features = []
+        for i, stage in enumerate(self.stages):
+            if stop_early and i > max_index:
+                break
+            x = stage(x)
+            if i in take:
+                y = self.norm(x) if norm and i == last else x
+                features.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
+        if intermediates_only:
+            return features
+        return (self._end(x) if i == last else x), features
+
+    def prune_intermediate_layers(
+        self, indices: Indices = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> List[int]:
+        """Drop the stages after the last of ``indices`` (and the head, the norm if asked or
+        if it no longer fits); returns the stage indices kept, as ``forward_intermediates``
+        takes them."""
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        if prune_head:
+            self.reset_classifier(0)  # type: ignore[attr-defined]
+        if prune_norm or max_index < len(self.stages) - 1:
+            self.norm = nn.Identity()
+        self.stages = self.stages[: max_index + 1]
+        self.feature_info = self.feature_info[: max_index + 1]
+        self.num_features = self.feature_info[-1]["num_chs"]
+        return take
