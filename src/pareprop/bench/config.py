@@ -135,7 +135,7 @@ def default_config() -> BenchConfig:
     A Rev-ViT-Ti stack (dim 192, 3 heads) at depths 4, 12 and 24 on 128x128 inputs (64 patch
     tokens) at batches 4 and 16, with the three engines, on one CPU thread (steadier on a shared
     machine). At batch 16 the activations autograd keeps outweigh parameters, gradients and
-    AdamW state several times over, as they do when a model does not fit a GPU, so the whole
+    AdamW state (1.7x at depth 24), as they do when a model does not fit a GPU, so the whole
     step's peak shows what reversibility saves; reversible costs about one extra forward.
     """
     return BenchConfig(
