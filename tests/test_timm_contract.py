@@ -14,8 +14,13 @@ import torch
 import pareprop
 from pareprop.layers._config import ConfigError
 
-IMAGE_MODELS = [n for n in pareprop.list_models() if timm.is_model(n)]
-TEXT_MODELS = [n for n in pareprop.list_models() if not timm.is_model(n)]
+from pareprop.models._registry import _MODEL_FACTORIES
+
+# The library's own models: other test modules register small ones of their own.
+OWN_MODELS = [n for n in pareprop.list_models()
+              if _MODEL_FACTORIES[n].__module__.startswith("pareprop.models")]
+IMAGE_MODELS = [n for n in OWN_MODELS if timm.is_model(n)]
+TEXT_MODELS = [n for n in OWN_MODELS if not timm.is_model(n)]
 
 
 def _tiny_overrides(name: str) -> dict:
