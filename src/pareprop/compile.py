@@ -7,6 +7,7 @@ in place, so every engine runs the compiled code in forward and in recomputation
 
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, List
 
 import torch
@@ -91,12 +92,17 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         kwargs["options"] = {"fallback_random": True, **(kwargs.get("options") or {})}
     if torch._dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
         torch._dynamo.config.recompile_limit = _RECOMPILE_LIMIT
+    # One torch.compile per block class and branch, bound to each block: every torch.compile
+    # call makes its own inductor backend, and Dynamo's cache entries are guarded on the
+    # backend, so compiling each block separately would recompile the same graph per block.
+    shared: Dict[Any, Any] = {}
     for block in blocks:
         uncompile_blocks(block)
         for name in _BRANCHES:
-            branch = getattr(type(block), name).__get__(block)  # the class's own, uncompiled
-            compiled = torch.compile(branch, **kwargs)
-            object.__setattr__(block, name, compiled)
+            key = (type(block), name)
+            if key not in shared:
+                shared[key] = torch.compile(getattr(type(block), name), **kwargs)
+            object.__setattr__(block, name, types.MethodType(shared[key], block))
         object.__setattr__(block, _MARK, True)
     return model
 
