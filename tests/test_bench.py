@@ -380,3 +380,30 @@ def test_memory_budgets_outside_zero_to_one_are_refused(value, tmp_path, capsys)
     with pytest.raises(ValueError, match="memory budget to be a fraction"):
         bench.BenchConfig(models=("bench_test_tiny_rev",), memory_budgets=(2.0,),
                           device="cpu").validate()
+
+
+# --- compiled blocks -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compile_runs_compiled_blocks_with_exact_gradients(tmp_path, capsys):
+    rc, stdout, _ = _run([
+        "--models", "bench_test_tiny_rev", "--engines", "autograd", "reversible",
+        "--compile", "--batch-sizes", "2", "--depths", "2", "--device", "cpu",
+        "--warmup", "1", "--iters", "1", "--no-plan", "--quiet", "--out", str(tmp_path),
+    ], capsys)
+    assert rc == 0, stdout
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert all(r["compiled"] is True for r in records)
+    rev = next(r for r in records if r["engine"] == "reversible")
+    assert rev["grad_rel_err"] < 1e-4
+
+
+def test_compile_is_refused_for_baselines_and_without_warmup(tmp_path, capsys):
+    rc, _, err = _run(["--models", "bench_test_tiny_rev", "--compile", "--warmup", "0",
+                       "--device", "cpu", "--out", str(tmp_path / "x")], capsys)
+    assert rc == 2 and "at least one warm-up step" in err
+    rc, _, err = _run(["--models", "vit_tiny_patch16_224", "--compile", "--device", "cpu",
+                       "--out", str(tmp_path / "y")], capsys)
+    assert rc == 2 and "has none" in err

@@ -13,7 +13,6 @@ import torch
 
 import pareprop
 from pareprop.layers._config import ConfigError
-
 from pareprop.models._registry import _MODEL_FACTORIES
 
 # The library's own models: other test modules register small ones of their own.

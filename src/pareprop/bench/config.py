@@ -48,6 +48,10 @@ class BenchConfig:
         stop_after_oom: skip larger batch sizes of a model/engine/depth after an out-of-memory.
         lr: AdamW learning rate (the value does not change the cost).
         seed: seed of parameters, inputs and the gradient check.
+        compile: run every reversible model's F and G compiled
+            (:func:`pareprop.compile_blocks`, regional ``torch.compile``); compilation happens
+            in the warm-up steps, so at least one is required. Baselines without reversible
+            blocks are refused (compile them with ``torch.compile`` yourself).
         progress: show a tqdm progress bar over configurations.
         threads: ``torch.set_num_threads`` during each measurement; ``None`` keeps torch's.
             One thread gives steadier CPU timings on a shared machine, where OpenMP threads
@@ -77,6 +81,7 @@ class BenchConfig:
     stop_after_oom: bool = True
     lr: float = 1e-4
     seed: int = 0
+    compile: bool = False
     progress: bool = True
     threads: int | None = None
     time_budget_s: float | None = None
@@ -117,6 +122,20 @@ class BenchConfig:
             raise ValueError(
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
             )
+        if self.compile:
+            from pareprop.bench.models import _model_info
+
+            plain = [m for m in self.models if not _model_info(m).reversible]
+            if plain:
+                raise ValueError(
+                    f"--compile compiles reversible blocks (pareprop.compile_blocks); "
+                    f"{', '.join(plain)} has none"
+                )
+            if self.warmup < 1:
+                raise ValueError(
+                    "--compile needs at least one warm-up step (compilation happens there), "
+                    f"got warmup={self.warmup}"
+                )
         device = torch.device(self.resolved_device())
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(

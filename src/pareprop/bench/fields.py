@@ -44,6 +44,7 @@ RECORD_FIELDS = (
     "planned_peak_bytes",
     "activation_bytes",
     "stored_blocks",
+    "compiled",
     "grad_rel_err",
     "status",
 )

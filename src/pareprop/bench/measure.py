@@ -46,6 +46,7 @@ class _Job:
     model_overrides: Dict[str, Any]
     plan: bool = False  # also plan_memory's prediction of this step (planned_peak_bytes)
     memory_budget: float | None = None  # a fraction: set_memory_budget on this batch first
+    compile: bool = False  # pareprop.compile_blocks before the warm-up steps
 
 
 
@@ -143,6 +144,7 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
         device=job.device,
         dtype=_dtype_label(job.amp),
         img_size=job.img_size,
+        compiled=job.compile,
     )
     return record
 
@@ -173,6 +175,10 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         out["img_size"] = None
     if job.memory_budget is not None:
         out["stored_blocks"] = _apply_budget(model, inputs, job, device)
+    if job.compile:  # after the budget, which measures the blocks eagerly
+        from pareprop.compile import compile_blocks
+
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     scaler = None
     if job.amp == "fp16" and device.type == "cuda":

@@ -44,7 +44,7 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                                 img_size=config.img_size, warmup=config.warmup,
                                 iters=config.iters, num_classes=config.num_classes,
                                 grad_check=config.grad_check, activation=config.activation,
-                                plan=config.plan,
+                                plan=config.plan, compile=config.compile,
                                 lr=config.lr, seed=config.seed, threads=config.threads,
                                 model_overrides=dict(config.model_overrides),
                             )

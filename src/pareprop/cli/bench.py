@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure every configuration in a fresh subprocess")
     p.add_argument("--keep-going-after-oom", action="store_true",
                    help="still try larger batches of a model/engine after an out-of-memory")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled F and G (pareprop.compile_blocks) for reversible models; "
+                   "compiled during the warm-up steps")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--drift", action="store_true",
                    help="reconstruction-drift report per block (pareprop.drift_report)")
@@ -150,6 +153,7 @@ def _config(args: argparse.Namespace):
     config.isolate = True if args.isolate else None
     config.stop_after_oom = not args.keep_going_after_oom
     config.progress = not args.quiet
+    config.compile = args.compile
     return config
 
 
