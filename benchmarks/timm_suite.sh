@@ -44,4 +44,4 @@ text = text.replace(marker, "NON_STD_FILTERS += ['rev_*']\n" + marker, 1)
 open(dst, "w").write(text)
 PY
 cd "$SUITE"
-python -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning test_models.py "$@" | tail -n 30
+python -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning test_models.py "$@" 2>&1 | tee "$WORK/suite.log" | tail -n 30

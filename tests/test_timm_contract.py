@@ -43,11 +43,14 @@ def _tiny_overrides(name: str) -> dict:
 
 
 def test_image_and_text_registries_are_split():
-    assert IMAGE_MODELS and TEXT_MODELS
-    assert all(n.startswith(("rev_vit", "rev_mvitv2", "rev_swin")) for n in IMAGE_MODELS)
-    assert set(TEXT_MODELS) == set(pareprop.list_models("*roberta*")) | set(
-        pareprop.list_models("text_encoder*")
-    )
+    # Other tests may register toy models, so check the shipped families by name.
+    image = [
+        n for n in pareprop.list_models() if n.startswith(("rev_vit", "rev_mvitv2", "rev_swin"))
+    ]
+    text = pareprop.list_models("*roberta*") + pareprop.list_models("text_encoder*")
+    assert image and text
+    assert all(timm.is_model(n) for n in image)
+    assert not any(timm.is_model(n) for n in text)
     with pytest.raises(RuntimeError, match="Unknown model"):
         timm.create_model("rev_roberta_base")
 
