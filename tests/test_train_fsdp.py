@@ -116,3 +116,14 @@ def test_fsdp_flag_and_its_incompatible_options():
     assert resolve_config([]).fsdp is False
     with pytest.raises(ValueError, match="--fsdp with --amp fp16 is not supported"):
         TrainConfig(fsdp=True, amp="fp16")
+
+
+def test_sharded_checkpoint_resumes_on_one_process_without_fsdp(runs):
+    # Its optimizer state is whole and keyed by names: set_optimizer_state_dict fits it to an
+    # unsharded model too.
+    cfg = TrainConfig(resume=str(runs / "whole" / "last"), epochs=3, batch_size=256, grad_accum=2,
+                      device="cpu", progress=False, out=str(runs / "one"))
+    summary = Trainer(cfg).fit()
+    assert summary["epochs_run"] == 1 and summary["step"] == 18
+    state = torch.load(runs / "one" / "last" / "state.pt", weights_only=True)
+    assert state["optimizer_layout"] == "local"
