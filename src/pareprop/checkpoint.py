@@ -187,6 +187,7 @@ def save_checkpoint(
     train_state: Optional[Dict[str, Any]] = None,
     tags: Iterable[str] = ("last",),
     extra: Optional[Dict[str, Any]] = None,
+    state_dict: Optional[Dict[str, torch.Tensor]] = None,
 ) -> str:
     """Save a checkpoint under ``out_dir/checkpoints/`` and point each tag (``out_dir/last``,
     ``out_dir/best``) at it, atomically (see the note at the top of this module).
@@ -201,11 +202,13 @@ def save_checkpoint(
             numbers, strings, lists and dicts only. ``None`` writes weights only.
         tags: names to point at the new checkpoint.
         extra: more JSON-serialisable fields for model.json (e.g. the run's config).
+        state_dict: the weights to write instead of ``model``'s own, e.g. the whole weights of
+            a sharded model (``pareprop.distributed.full_state_dict``), whose own are shards.
 
     Returns:
         The path of the new checkpoint directory.
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
     from pareprop.budget import stored_blocks
     from pareprop.models import model_spec
@@ -225,10 +228,11 @@ def save_checkpoint(
     tmp_dir = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root)
     try:
         weights = os.path.join(tmp_dir, WEIGHTS)
-        atomic_write(
-            weights,
-            lambda p: save_model(model, p, metadata={"format": FORMAT, "model": spec["name"]}),
-        )
+        header = {"format": FORMAT, "model": spec["name"]}
+        if state_dict is None:
+            atomic_write(weights, lambda p: save_model(model, p, metadata=header))
+        else:
+            atomic_write(weights, lambda p: save_file(state_dict, p, metadata=header))
         files = {"weights": WEIGHTS}
         digests = {WEIGHTS: _sha256(weights)}
         if train_state is not None:

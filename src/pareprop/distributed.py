@@ -32,9 +32,9 @@ NOTE [ Reversible engines under DDP ]
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as tdist
@@ -51,6 +51,8 @@ __all__ = [
     "wrap_ddp",
     "check_wrapping",
     "shard",
+    "is_sharded",
+    "full_state_dict",
 ]
 
 
@@ -133,10 +135,32 @@ def gather_objects(obj: Any, info: DistInfo) -> List[Any]:
 
 
 def no_sync(model: nn.Module) -> ContextManager:
-    """DDP's ``no_sync`` (skip the gradient all-reduce of this backward), a no-op otherwise."""
+    """Skip the gradient reduction of this backward: DDP's ``no_sync``, or for a model sharded
+    with FSDP2 ``set_requires_gradient_sync(False)`` (gradients accumulate unreduced) until the
+    block ends; a no-op otherwise."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(model)
     return nullcontext()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True if ``model`` is an FSDP2 module (``fully_shard`` / :func:`shard` applied)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _is_wrapper(m: nn.Module) -> bool:
@@ -236,3 +260,25 @@ def shard(
 
     return _shard(model, mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward)
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The whole, unsharded state dict of a model sharded with :func:`shard`, on the CPU.
+
+    Each sharded entry is gathered with ``DTensor.full_tensor()``, a collective: every process
+    must call this, in the same order (the state dict's order is the same on all of them).
+    Entries that are the same tensor under two names (tied weights) are kept once, under the
+    first name, as ``safetensors.torch.save_model`` does for an unsharded model.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, DTensor):
+            value = value.detach().full_tensor()
+        out[name] = value.detach().to("cpu").contiguous()
+    return out

@@ -14,6 +14,16 @@ NOTE [ Exact resume ]
     numpy, torch CPU and CUDA, per process) are saved after the epoch's evaluation, which is
     exactly where the next epoch starts drawing random crops, dropout and drop-path masks.
 
+NOTE [ Sharded checkpoints ]
+    With ``--fsdp`` each process holds a shard of every parameter and of its optimizer state.
+    A checkpoint is still the single-process layout (model.safetensors + model.json + state.pt),
+    so ``pareprop.load_model`` reads it on one process: every process gathers each parameter
+    with ``full_tensor()`` (a collective, so all take part) and the optimizer state with
+    ``get_optimizer_state_dict(full_state_dict=True)``, keyed by parameter names; process 0
+    writes. Resuming builds and shards the model from the whole weights, and
+    ``set_optimizer_state_dict`` cuts each process's shard of the whole optimizer state back
+    out: copies, no arithmetic, so a resumed run equals an uninterrupted one.
+
 NOTE [ Batch size ]
     ``batch_size`` is the global number of samples per optimizer step. Each of ``world_size``
     processes feeds ``batch_size / (world_size * grad_accum)`` samples per micro-batch. Because
@@ -93,6 +103,9 @@ class TrainConfig:
     stop_after_epochs: Optional[int] = None
     max_steps: Optional[int] = None
     progress: bool = True
+    # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
+    # (pareprop.distributed.shard) instead of replicating them with DDP.
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_MODES:
@@ -104,6 +117,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"expected {name} >= 1 (or unset), got {value}")
+        if self.fsdp and self.amp == "fp16":
+            raise ValueError(
+                "--fsdp with --amp fp16 is not supported: the fp16 gradient scaler is not "
+                "checked against sharded gradients; use --amp bf16 (it needs no scaler)"
+            )
         if self.memory_budget is not None:
             from pareprop.budget import parse_budget
 
@@ -245,6 +263,20 @@ class Trainer:
                 "--amp fp16 needs a CUDA device (its gradient scaler guards fp16's narrow range); "
                 "use --amp bf16 on the CPU"
             )
+        if cfg.fsdp:
+            from pareprop.fsdp import fsdp_available
+
+            if not self.dist.active:
+                raise ValueError(
+                    "--fsdp shards the model over the processes of a torchrun job, and this is "
+                    "one process: start with torchrun --nproc_per_node N ... -m pareprop train "
+                    "--fsdp, or drop --fsdp"
+                )
+            if not fsdp_available():
+                raise ValueError(
+                    f"--fsdp needs torch.distributed.fsdp.fully_shard (PyTorch >= 2.6); this is "
+                    f"torch {torch.__version__}. Upgrade PyTorch, or train with DDP (no --fsdp)"
+                )
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         self.resume = None
         if cfg.resume is not None:
@@ -321,7 +353,14 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.micro_per_epoch / accum)
         self.total_steps = self.steps_per_epoch * cfg.epochs
 
-        self.net = dist_lib.wrap_ddp(model, self.device) if world > 1 else model
+        # DDP wraps the model; shard() turns the model itself into an FSDP2 module, so then
+        # self.net is self.model (see NOTE [ Sharded checkpoints ] for what saving does).
+        if world == 1:
+            self.net = model
+        elif cfg.fsdp:
+            self.net = dist_lib.shard(model)
+        else:
+            self.net = dist_lib.wrap_ddp(model, self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
         )
@@ -377,7 +416,25 @@ class Trainer:
                 f"{ck.path!r} holds weights only, no training state to resume from; "
                 "evaluate it with --eval-only or start a new run"
             )
-        self.optimizer.load_state_dict(st["optimizer"])
+        if st.get("optimizer_layout") == "full":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                st["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+        elif self.cfg.fsdp:
+            raise ckpt_lib.CheckpointError(
+                f"{ck.path!r} was saved by a run without --fsdp; its optimizer state is keyed "
+                "by parameter order, not names, and cannot be sharded: resume it without --fsdp"
+            )
+        else:
+            self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         self.epoch, self.step = int(st["epoch"]), int(st["step"])
@@ -393,9 +450,25 @@ class Trainer:
             )
             torch.manual_seed(self.cfg.seed + 7919 * self.epoch + self.dist.rank)
 
+    def _optimizer_state(self) -> Tuple[Dict[str, Any], str]:
+        """The optimizer state and its layout: ``"local"`` (``optimizer.state_dict()``) or,
+        for a sharded model, ``"full"``: gathered whole and keyed by parameter names, on
+        process 0 (a collective; the other processes get an empty dict)."""
+        if not self.cfg.fsdp:
+            return self.optimizer.state_dict(), "local"
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options), "full"
+
     def _train_state(self) -> Dict[str, Any]:
+        optimizer, layout = self._optimizer_state()
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
+            "optimizer_layout": layout,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -411,6 +484,8 @@ class Trainer:
         if is_best:
             self.best = {"val_acc": metrics["val_acc"], "epoch": self.epoch}
         state = self._train_state()
+        # A sharded model's weights are gathered by every process (collectives), written by 0.
+        weights = dist_lib.full_state_dict(self.model) if self.cfg.fsdp else None
         if self.dist.rank == 0:
             tags = ("last", "best") if is_best else ("last",)
             self.last_checkpoint = ckpt_lib.save_checkpoint(
@@ -421,6 +496,7 @@ class Trainer:
                 metrics=metrics,
                 train_state=state,
                 tags=tags,
+                state_dict=weights,
             )
         dist_lib.barrier(self.dist)
 
@@ -491,6 +567,8 @@ class Trainer:
             if cfg.clip_grad is not None and cfg.clip_grad > 0:
                 self.scaler.unscale_(self.optimizer)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+                if cfg.fsdp:  # the norm of sharded gradients is a (replicated) DTensor
+                    norm = norm.full_tensor()
                 # With fp16 the scaler skips a step whose gradients overflowed; otherwise a
                 # non-finite gradient (finite loss) would turn every weight into NaN.
                 if not self.scaler.is_enabled():
@@ -525,7 +603,15 @@ class Trainer:
         """Loss (plain cross-entropy) and accuracy on the validation set, over all processes."""
         self.net.eval()
         sums = torch.zeros(3, dtype=torch.float64)
-        for x, y in self.val_loader:
+        batches = list(self.val_loader) if self.cfg.fsdp else self.val_loader
+        if self.cfg.fsdp:
+            # Every forward of a sharded model all-gathers, so every process must run the same
+            # number of them: one whose shard has fewer batches runs extra, uncounted ones.
+            most = dist_lib.all_reduce(torch.tensor([float(len(batches))]), self.dist, "max")
+            for _ in range(int(most.item()) - len(batches)):
+                with self._autocast():
+                    self.model(batches[0][0][:1].to(self.device))
+        for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 logits = self.model(x)  # the bare model: DDP needs no sync in evaluation

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        help="under torchrun, shard parameters, gradients and optimizer state over the "
+        "processes with FSDP2 (one unit per block) instead of replicating them with DDP (off)",
+    )
     return p
 
 
