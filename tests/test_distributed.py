@@ -21,6 +21,7 @@ MODEL = "rev_vit_tiny_patch4_32"
 # Three blocks: an odd depth, where PaReprop's final step is easiest to get wrong.
 TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, depth=3, num_heads=2)
 BATCH, LR = 8, 0.5
+_CAN_COMPILE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def _model(engine):
@@ -68,6 +69,11 @@ def _worker(rank, world, init_file, out):
         results[("pareprop", "static")] = _step(
             model, wrap_ddp(model, static_graph=True), [(xs, ys)]
         )
+        if _CAN_COMPILE:  # compiled F and G (pareprop.compile_blocks) under DDP
+            from pareprop.compile import compile_blocks
+
+            model = compile_blocks(_model("reversible").train())
+            results[("reversible", "compiled")] = _step(model, wrap_ddp(model), [(xs, ys)])
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
@@ -106,6 +112,13 @@ def test_gradient_accumulation_over_two_micro_batches(ddp_results, engine):
     ref = _reference()
     for rank in range(2):
         _assert_same(ddp_results[rank][(engine, 2)], ref)
+
+
+@pytest.mark.skipif(not _CAN_COMPILE, reason="compile_blocks needs torch >= 2.5")
+def test_compiled_blocks_under_ddp_equal_one_process(ddp_results):
+    ref = _reference()
+    for rank in range(2):
+        _assert_same(ddp_results[rank][("reversible", "compiled")], ref, tol=1e-10)
 
 
 def test_static_graph_is_valid_with_pareprop(ddp_results):
