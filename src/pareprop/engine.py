@@ -216,7 +216,8 @@ class _BackendState:
 
 
 def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str, Any]) -> Tensor:
-    if torch.compiler.is_compiling():  # traced (whole-model torch.compile): no _version there
+    # Traced (whole-model torch.compile) or inference-mode tensors: they have no _version.
+    if torch.compiler.is_compiling() or x.is_inference():
         return getattr(block, name)(x, **kwargs)
     version = x._version
     out = getattr(block, name)(x, **kwargs)

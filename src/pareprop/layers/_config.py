@@ -18,8 +18,11 @@ __all__ = ["ConfigError", "make_config", "config_dict"]
 C = TypeVar("C")
 
 
-class ConfigError(ValueError):
-    """An override names no field of the config; the message lists the valid fields."""
+class ConfigError(ValueError, TypeError):
+    """An override names no field of the config; the message lists the valid fields.
+
+    A TypeError too: that is what Python raises for an unexpected keyword argument, and what
+    timm's model tests expect of a factory given an unknown one."""
 
 
 def _is_tuple_field(cls: type, name: str) -> bool:
