@@ -99,10 +99,11 @@ def test_pretrained_cfg_names_real_modules(name):
 
 @pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_reset_classifier_keeps_device_and_dtype(name):
-    model = timm.create_model(name, device="meta", dtype=torch.float64)
+    model = timm.create_model(name, device="meta", dtype=torch.float64).eval()
     model.reset_classifier(7)
     head = model.get_classifier()
     assert head.weight.is_meta and head.weight.dtype == torch.float64
+    assert not any(m.training for m in model.modules())  # the new head too
     assert model.num_classes == model.pretrained_cfg["num_classes"] == head.out_features == 7
     model.reset_classifier(0, "avg")
     assert isinstance(model.get_classifier(), torch.nn.Identity) and model.num_classes == 0
@@ -116,7 +117,11 @@ def test_tiny_forward_widths_match_num_features_and_head_hidden_size(name):
     model = timm.create_model(name, dtype=torch.float64, **_tiny_overrides(name)).eval()
     (x,) = model.example_inputs(2, dtype=torch.float64)
     feats = model.forward_features(x)
-    assert feats.shape[-1] == model.num_features
+    # timm's rule: the channel axis is the model's feature_dim, else -1 for tokens (B, N, C)
+    # and 1 for maps (B, C, H, W); our maps are channels-last and say so.
+    axis = getattr(model, "feature_dim", None)
+    axis = (-1 if feats.ndim == 3 else 1) if axis is None else axis
+    assert feats.shape[axis] == model.num_features
     pooled = model.forward_head(feats, pre_logits=True)
     assert pooled.shape == (2, model.head_hidden_size)
     assert model(x).shape == (2, 3)
@@ -146,3 +151,19 @@ def test_one_config_error_format_for_every_family(name, cls):
 def test_dtype_must_be_floating():
     with pytest.raises(ValueError, match="floating torch.dtype"):
         pareprop.create_model("rev_vit_tiny_patch4_32", dtype=torch.int64, device="meta")
+
+
+@pytest.mark.parametrize(
+    "name", ["rev_vit_tiny_patch4_32", "rev_mvitv2_tiny_32", "rev_swin_tiny_32"]
+)
+def test_meta_forward_after_dtype_change(name):
+    # timm checks shapes on the meta device, then casts the model and runs it again; the meta
+    # device has no autocast, which the engine must not ask about.
+    model = timm.create_model(name, device="meta", dtype=torch.float32).eval()
+    (x,) = model.example_inputs(1, device="meta")
+    assert model(x).is_meta
+    model.to(torch.bfloat16)
+    assert model(x.bfloat16()).dtype == torch.bfloat16
+    model.train().set_engine("pareprop")
+    out = model(x.bfloat16().requires_grad_())
+    assert out.shape == (1, model.num_classes) and out.requires_grad

@@ -116,7 +116,15 @@ class _RngState:
 # active at forward: device type, dtype and enabled flag, for the CPU and for the stack's device.
 
 
+def _has_autocast(device_type: str) -> bool:
+    # The meta device (timm builds and runs models there to check shapes) has no autocast.
+    check = getattr(torch.amp, "is_autocast_available", None)
+    return check(device_type) if check is not None else device_type in ("cpu", "cuda", "xpu")
+
+
 def _autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
+    if not _has_autocast(device_type):
+        return False, torch.get_default_dtype()
     try:  # torch >= 2.4
         return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
     except TypeError:  # older signature without a device type
@@ -131,7 +139,8 @@ class _AutocastState:
 
     @staticmethod
     def capture(device: torch.device) -> "_AutocastState":
-        types = ["cpu"] if device.type == "cpu" else ["cpu", device.type]
+        types = ["cpu"] if device.type == "cpu" or not _has_autocast(device.type) else [
+            "cpu", device.type]
         return _AutocastState(tuple((t, *_autocast_state(t)) for t in types))
 
     @contextlib.contextmanager

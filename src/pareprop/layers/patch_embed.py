@@ -25,14 +25,18 @@ def check_image(
     in_chans: int,
     img_size: Tuple[int, int] | None = None,
     min_size: Tuple[int, int] | None = None,
-) -> None:
-    """Raise ``ValueError`` unless ``x`` is a float ``(B, in_chans, H, W)`` batch that fits.
+    multiple_of: int | None = None,
+) -> torch.Tensor:
+    """Return ``x``; raise ``ValueError`` unless it is a float ``(B, in_chans, H, W)`` batch
+    that fits. (Returned so that a traced graph uses the call and keeps the check.)
 
     Args:
         x: the batch.
         in_chans: channels the model was built for.
         img_size: the only spatial size accepted (models with absolute position embeddings).
         min_size: the smallest spatial size accepted (hierarchical models).
+        multiple_of: a number height and width must be multiples of (non-overlapping patches
+            of a model that takes any size).
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected an image tensor, got {type(x).__name__}")
@@ -58,6 +62,12 @@ def check_image(
             f"expected input at least {min_size[0]}x{min_size[1]} with {in_chans} channels "
             f"(the model's total stride), got {tuple(x.shape)}"
         )
+    if multiple_of is not None and (hw[0] % multiple_of or hw[1] % multiple_of):
+        raise ValueError(
+            f"expected input height and width multiples of patch_size={multiple_of}, got "
+            f"{tuple(x.shape)}"
+        )
+    return x
 
 
 class PatchEmbed(nn.Module):

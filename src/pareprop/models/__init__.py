@@ -2,6 +2,7 @@
 
 # Imported for their side effect: each module registers its named variants.
 from pareprop.models import mvit, swin, text, vit  # noqa: E402,F401
+from pareprop.models._fx import register_fx_leaves
 from pareprop.models._registry import (
     create_model,
     is_model,
@@ -9,5 +10,7 @@ from pareprop.models._registry import (
     model_spec,
     register_model,
 )
+
+register_fx_leaves()
 
 __all__ = ["create_model", "is_model", "list_models", "model_spec", "register_model"]

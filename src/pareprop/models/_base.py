@@ -151,7 +151,7 @@ class ClassifierMixin:
         except dataclasses.FrozenInstanceError:
             self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
         self.pretrained_cfg["num_classes"] = num_classes
-        self.head = head
+        self.head = head.train(self.training)  # a fresh module is in training mode
 
 
 class ReversibleModelMixin(ClassifierMixin):
@@ -161,6 +161,7 @@ class ReversibleModelMixin(ClassifierMixin):
     # saved with the model rebuilds it on the engine it runs now. Frozen configs keep the
     # engine the model was built with.
     _cfg_records_engine = False
+    grad_checkpointing = False  # see set_grad_checkpointing
 
     def set_engine(self, name: str) -> Self:
         """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
@@ -170,13 +171,17 @@ class ReversibleModelMixin(ClassifierMixin):
         return self
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Refuses: activation checkpointing would only add recomputation here."""
-        if enable:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not checkpoint: its reversible stacks rebuild "
-                "block inputs in backward instead of storing them; use "
-                "set_engine('reversible') or set_engine('pareprop')"
-            )
+        """Run the blocks that are not reversible (Rev-MViTv2's stage transitions, Rev-Swin's
+        patch merging and stream fusion) under activation checkpointing, as timm's
+        ``set_grad_checkpointing`` does for its blocks: they keep only their inputs and run
+        again in backward. The reversible stacks are the engine's business: they keep nothing
+        under ``reversible`` and ``pareprop`` and everything under ``autograd``, either way.
+        Rev-ViT and Rev-RoBERTa have no such blocks (their stack is the whole body), so the
+        call changes nothing there. See NOTE [ Checkpointing what is not reversible ]."""
+        self.grad_checkpointing = bool(enable)
+        for module in self.modules():
+            if module is not self and hasattr(module, "grad_checkpointing"):
+                module.grad_checkpointing = bool(enable)
 
 
 class ReversibleImageModelMixin(ReversibleModelMixin):

@@ -41,6 +41,10 @@ class StageFeaturesMixin:
     norm: nn.Module
     feature_info: List[Dict[str, Any]]
     num_features: int
+    # forward_features gives channels-last maps (B, H, W, C): timm reads the channel axis of
+    # non-standard models from these.
+    feature_dim = -1
+    output_fmt = "NHWC"
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

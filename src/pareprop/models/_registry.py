@@ -106,8 +106,14 @@ def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
             f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
             f"got {type(model).__name__}"
         )
+    class StageFeatureNet(FeatureGetterNet):
+        def set_grad_checkpointing(self, enable: bool = True) -> None:
+            """The backbone's :meth:`set_grad_checkpointing` (timm's other feature nets have
+            one; detection and segmentation pipelines call it on the backbone)."""
+            self.model.set_grad_checkpointing(enable)
+
     n = len(model.feature_info)
-    return FeatureGetterNet(model, out_indices=n if out_indices is None else out_indices)
+    return StageFeatureNet(model, out_indices=n if out_indices is None else out_indices)
 
 
 def list_models(pattern: Optional[str] = None) -> List[str]:

@@ -32,6 +32,7 @@ from timm.layers import DropPath, Mlp
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import PatchEmbed, PoolingAttention, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
+from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
@@ -288,10 +289,11 @@ class MViTStage(nn.Module):
         super().__init__()
         self.transition = transition
         self.stack = stack
+        # The transition under activation checkpointing (RevMViT.set_grad_checkpointing).
+        self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.transition is not None:
-            x = self.transition(x)
+        x = maybe_checkpoint(self.transition, x, self.grad_checkpointing)
         if self.stack is not None:
             B, H, W, C = x.shape
             t = x.reshape(B, H * W, C)  # (B, N, C)
@@ -419,7 +421,7 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     # -- forward --------------------------------------------------------------------------
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        check_image(x, self.cfg.in_chans, min_size=self.min_size)
+        x = check_image(x, self.cfg.in_chans, min_size=self.min_size)
         return self.patch_embed(x)  # (B, H, W, C)
 
     def _end(self, x: torch.Tensor) -> torch.Tensor:

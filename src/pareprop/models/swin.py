@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, to_2tuple
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.layers import check_image
 from pareprop.layers._config import make_config
+from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.layers.window_attention import (
     WindowAttention,
     padded_size,
@@ -276,6 +278,8 @@ class RevSwinStage(nn.Module):
             engine=engine,
         )
         self.fuse = StreamFusion(dim) if fuse else None
+        # Merging and fusion under activation checkpointing (RevSwin.set_grad_checkpointing).
+        self.grad_checkpointing = False
         # Not state: masks depend only on the map size, the window and the shift.
         self._mask_cache: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
 
@@ -290,15 +294,12 @@ class RevSwinStage(nn.Module):
         return self._mask_cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.downsample is not None:
-            x = self.downsample(x)
+        x = maybe_checkpoint(self.downsample, x, self.grad_checkpointing)
         # Handed to every block as stack keywords: the engine replays F with exactly these
         # masks when it recomputes in backward.
         x1, x2 = self.blocks(x, x, **self._masks(x.shape[1], x.shape[2], x.device))
         x = torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
-        if self.fuse is not None:
-            x = self.fuse(x)  # (B, H, W, C)
-        return x
+        return maybe_checkpoint(self.fuse, x, self.grad_checkpointing)  # (B, H, W, C) if fused
 
 
 class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
@@ -369,22 +370,8 @@ class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
         w = self.norm.weight  # the new head lives where the model lives
         self._replace_head(num_classes, device=w.device, dtype=w.dtype)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        p, c = self.cfg.patch_size, self.cfg.in_chans
-        if not torch.is_tensor(x) or not x.is_floating_point() or x.dim() != 4 or x.shape[1] != c:
-            got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-            dtype = f" {x.dtype}" if torch.is_tensor(x) and not x.is_floating_point() else ""
-            raise ValueError(
-                f"expected float input (B, {c}, H, W) with H, W multiples of {p} "
-                f"(configured {self.cfg.img_size[0]}x{self.cfg.img_size[1]}), got{dtype} {got}"
-            )
-        if x.shape[2] % p or x.shape[3] % p:
-            raise ValueError(
-                f"expected input height and width multiples of patch_size={p}, got {tuple(x.shape)}"
-            )
-
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = check_image(x, self.cfg.in_chans, multiple_of=self.cfg.patch_size)
         return self.patch_embed(x)  # (B, H/p, W/p, C)
 
     def _end(self, x: torch.Tensor) -> torch.Tensor:

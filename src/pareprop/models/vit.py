@@ -180,7 +180,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the stack's output tokens ``(B, N, 2 * embed_dim)``."""
-        check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
+        x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
         x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
         x1, x2 = self.stack(x, x)
         return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)

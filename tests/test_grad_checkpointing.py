@@ -1,0 +1,152 @@
+"""set_grad_checkpointing: the blocks that are not reversible run under activation
+checkpointing, exactly, under every engine, and keep less."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import pareprop
+from pareprop import ENGINES, activation_bytes
+from pareprop.testing import relative_error
+
+TOL = 1e-10
+# Float64, drop-path and dropout on, odd map sizes (Swin pads before merging).
+TINY = {
+    "rev_mvitv2_tiny_32": dict(embed_dim=8, img_size=32, drop_path_rate=0.3),
+    "rev_swin_tiny_32": dict(
+        embed_dim=8,
+        depths=(1, 2, 1),
+        num_heads=(1, 2, 2),
+        window=4,
+        img_size=30,
+        drop_path_rate=0.3,
+        proj_drop_rate=0.1,
+    ),
+}
+
+
+def _model(name: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return pareprop.create_model(name, num_classes=5, **{**TINY[name], **kw}).double().train()
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, seed: int = 1):
+    """Seeded forward and backward: (output, input grad, {name: param grad})."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        out = model(x)
+        out.square().sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _gradient_errors(got: dict, want: dict) -> dict:
+    """Relative error per parameter above TOL. MViT's key-norm bias has an exact gradient of 0
+    (softmax ignores a shift of the keys' scores), so it is checked for ~0 instead."""
+    bad = {}
+    for n, g in got.items():
+        if n.endswith("norm_k.bias"):
+            err = float(g.abs().max())
+            if not err < 1e-12:
+                bad[n] = err
+        elif not relative_error(g, want[n]) < TOL:
+            bad[n] = relative_error(g, want[n])
+    return bad
+
+
+def _checkpointed_modules(model: torch.nn.Module) -> list:
+    return [n for n, m in model.named_modules() if getattr(m, "grad_checkpointing", False)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(TINY))
+def test_checkpointed_step_equals_plain_autograd(name, engine):
+    reference = _model(name, engine="autograd")
+    model = _model(name, engine=engine)
+    model.set_grad_checkpointing()
+    assert _checkpointed_modules(model), "some block is checkpointed"
+    (x,) = reference.example_inputs(2, dtype=torch.float64)
+    want, got = _step(reference, x), _step(model, x)
+    assert relative_error(got[0], want[0]) < TOL
+    assert relative_error(got[1], want[1]) < TOL
+    assert set(got[2]) == set(want[2])
+    bad = _gradient_errors(got[2], want[2])
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_checkpointing_keeps_less_and_stays_flat_in_depth(name):
+    kept = {}
+    for gc in (False, True):
+        model = _model(name, engine="reversible")
+        model.set_grad_checkpointing(gc)
+        (x,) = model.example_inputs(4, dtype=torch.float64)
+        kept[gc] = activation_bytes(model, x)
+    assert kept[True] < 0.8 * kept[False], kept
+    # A deeper last stack: the reversible engines keep the same under checkpointing too.
+    depths = [dict(depth=6), dict(depth=10)] if name.startswith("rev_mvitv2") else [
+        dict(depths=(1, 2, 1)), dict(depths=(1, 2, 5))]
+    flat = []
+    for deeper in depths:
+        model = _model(name, engine="reversible", **deeper)
+        model.set_grad_checkpointing()
+        (x,) = model.example_inputs(4, dtype=torch.float64)
+        flat.append(activation_bytes(model, x))
+    assert flat[0] == flat[1]
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_switching_off_and_eval_change_nothing(name):
+    model = _model(name, engine="reversible")
+    (x,) = model.example_inputs(2, dtype=torch.float64)
+    before = _step(model, x)
+    model.set_grad_checkpointing(True)
+    assert model.grad_checkpointing
+    model.set_grad_checkpointing(False)
+    assert not _checkpointed_modules(model)
+    after = _step(model, x)
+    assert torch.equal(before[0], after[0])
+    model.set_grad_checkpointing(True)
+    model.eval()
+    with torch.no_grad():
+        plain = model(x)
+    model.set_grad_checkpointing(False)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain)
+
+
+def test_models_without_such_blocks_accept_it_and_keep_the_same():
+    torch.manual_seed(0)
+    model = pareprop.create_model(
+        "rev_vit_tiny_patch4_32", embed_dim=16, depth=2, num_heads=2, img_size=16,
+        engine="reversible",
+    )
+    (x,) = model.example_inputs(2)
+    before = activation_bytes(model, x)
+    model.set_grad_checkpointing()
+    assert model.grad_checkpointing
+    assert activation_bytes(model, x) == before
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_features_only_backbone_checkpoints_with_the_same_gradients(name):
+    # Detection and segmentation pipelines train features_only backbones this way.
+    grads = []
+    for gc in (False, True):
+        torch.manual_seed(0)
+        kw = {k: v for k, v in TINY[name].items() if k != "proj_drop_rate"}
+        net = timm.create_model(
+            name, features_only=True, dtype=torch.float64, engine="pareprop", **kw
+        ).train()
+        net.set_grad_checkpointing(gc)
+        x = torch.randn(2, 3, kw["img_size"], kw["img_size"], dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(1)
+        sum(f.square().mean() for f in net(x)).backward()
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    bad = _gradient_errors(grads[1], grads[0])
+    assert not bad, bad
