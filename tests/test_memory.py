@@ -168,3 +168,29 @@ def test_memory_report_refuses_non_tensor_inputs():
 def test_report_fits():
     r = MemoryReport(parameters=1, gradients=1, optimizer_state=2, activations=3, peak=10)
     assert r.fits(10) is True and r.fits(9) is False and r.fits(None) is None
+
+
+@pytest.mark.parametrize("engine", ["autograd", "reversible", "pareprop"])
+@pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32", "rev_swin_tiny_32"])
+def test_grad_checkpointing_plans_less_and_agrees_with_the_real_step(name, engine):
+    overrides = dict(FAMILIES[name])
+    plain = plan_memory(name, 2, engine, device="cpu", num_classes=10, **overrides)
+    plan = plan_memory(name, 2, engine, device="cpu", num_classes=10, grad_checkpointing=True,
+                       **overrides)
+    assert plan.grad_checkpointing and "+ckpt" in plan.table()
+    assert plan.activations < plain.activations
+    job = _PlanJob(model=name, engine=engine, num_classes=10, grad_checkpointing=True,
+                   model_overrides=overrides)
+    torch.manual_seed(0)
+    info = _model_info(name)
+    model = _build(job, info)
+    real = memory_report(model, _make_inputs(model, job, info, torch.device("cpu"), 2),
+                         engine=engine)
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+    assert plan.activations == pytest.approx(real.activations, rel=0.02)
+
+
+def test_grad_checkpointing_of_a_timm_baseline_points_to_its_engine():
+    with pytest.raises(ValueError, match="checkpointed"):
+        plan_memory("vit_tiny_patch16_224", 1, "plain", device="cpu", depth=1, img_size=32,
+                    grad_checkpointing=True)

@@ -102,3 +102,16 @@ def test_a_budget_for_an_engine_without_stored_blocks_is_refused(tmp_path, capsy
     assert main(["plan", *SMALL, "--memory-budgets", "3", "--batch-sizes", "2",
                  "--out", str(tmp_path)]) == 2
     assert "expected a memory budget from 0" in capsys.readouterr().err
+
+
+def test_plan_cli_grad_checkpointing_labels_and_lowers_the_records(tmp_path, capsys):
+    argv = ["plan", "--models", "rev_mvitv2_tiny_32", "--engines", "reversible",
+            "--device", "cpu", "--batch-sizes", "2"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    assert main([*argv, "--grad-checkpointing", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "reversible+ckpt" in out
+    (a,), (b,) = (json.loads((tmp_path / d / "plan.json").read_text())["records"]
+                  for d in ("a", "b"))
+    assert (a["grad_checkpointing"], b["grad_checkpointing"]) == (False, True)
+    assert b["activations"] < a["activations"]

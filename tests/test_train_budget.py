@@ -63,3 +63,17 @@ def test_cli_flag(tmp_path, capsys):
     model = load_model(os.path.join(tmp_path, "last"))
     assert model.stack.stored_blocks == (0, 1, 2, 3)
     assert isinstance(pareprop.budget.stored_blocks(model), dict)
+
+
+def test_grad_checkpointing_flag_reaches_the_model(tmp_path):
+    from pareprop.cli.train import resolve_config
+
+    assert resolve_config(["--grad-checkpointing"]).grad_checkpointing is True
+    assert resolve_config([]).grad_checkpointing is False
+    cfg = _cfg(tmp_path, model="rev_mvitv2_tiny_32",
+               model_kwargs=dict(img_size=16, in_chans=1, embed_dim=8),
+               memory_budget=None, grad_checkpointing=True, max_steps=1, epochs=1)
+    trainer = Trainer(cfg)
+    assert all(s.grad_checkpointing for s in trainer.model.stages)
+    summary = trainer.fit()
+    assert summary

@@ -81,6 +81,9 @@ class TrainConfig:
     memory_budget: Optional[Union[str, float]] = None
     # Compile every block's F and G with torch.compile (pareprop.compile_blocks).
     compile: bool = False
+    # Run the blocks that are not reversible (MViTv2 transitions, Swin merging and fusion)
+    # under activation checkpointing (model.set_grad_checkpointing()).
+    grad_checkpointing: bool = False
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
@@ -314,6 +317,8 @@ class Trainer:
         self.memory_plan = None
         if self.resume is None and cfg.memory_budget is not None:
             self.memory_plan = self._apply_memory_budget(model)
+        if cfg.grad_checkpointing:
+            model.set_grad_checkpointing(True)
         if cfg.compile:  # after the budget, which measures the blocks eagerly
             from pareprop.compile import compile_blocks
 

@@ -82,6 +82,7 @@ class BenchConfig:
     lr: float = 1e-4
     seed: int = 0
     compile: bool = False
+    grad_checkpointing: bool = False
     progress: bool = True
     threads: int | None = None
     time_budget_s: float | None = None
@@ -122,6 +123,15 @@ class BenchConfig:
             raise ValueError(
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
             )
+        if self.grad_checkpointing:
+            from pareprop.bench.models import _model_info
+
+            plain = [m for m in self.models if not _model_info(m).reversible]
+            if plain:
+                raise ValueError(
+                    "--grad-checkpointing checkpoints the non-reversible blocks of reversible "
+                    f"models; {', '.join(plain)} is a baseline: use its engine 'checkpointed'"
+                )
         if self.compile:
             from pareprop.bench.models import _model_info
 

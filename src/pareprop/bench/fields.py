@@ -45,13 +45,16 @@ RECORD_FIELDS = (
     "activation_bytes",
     "stored_blocks",
     "compiled",
+    "grad_checkpointing",
     "grad_rel_err",
     "status",
 )
 
 
 def engine_label(record: Dict[str, Any]) -> str:
-    """The engine of a record as tables and plots show it: ``reversible`` or, under a memory
-    budget (``pareprop bench --memory-budgets``), ``reversible@0.5``."""
+    """The engine of a record as tables and plots show it: ``reversible``; under a memory
+    budget (``pareprop bench --memory-budgets``) ``reversible@0.5``; with the non-reversible
+    blocks checkpointed (``--grad-checkpointing``) ``reversible+ckpt``."""
     budget = record.get("memory_budget")
-    return record["engine"] if budget is None else f"{record['engine']}@{budget:g}"
+    label = record["engine"] if budget is None else f"{record['engine']}@{budget:g}"
+    return label + "+ckpt" if record.get("grad_checkpointing") else label

@@ -47,6 +47,7 @@ class _Job:
     plan: bool = False  # also plan_memory's prediction of this step (planned_peak_bytes)
     memory_budget: float | None = None  # a fraction: set_memory_budget on this batch first
     compile: bool = False  # pareprop.compile_blocks before the warm-up steps
+    grad_checkpointing: bool = False  # model.set_grad_checkpointing() (reversible models)
 
 
 
@@ -145,6 +146,7 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
         dtype=_dtype_label(job.amp),
         img_size=job.img_size,
         compiled=job.compile,
+        grad_checkpointing=job.grad_checkpointing,
     )
     return record
 
@@ -291,7 +293,7 @@ def _planned_peak(job: _Job, device: torch.device) -> int | None:
             job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
             num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
             seq_len=job.seq_len, seed=job.seed, memory_budget=job.memory_budget,
-            **job.model_overrides,
+            grad_checkpointing=job.grad_checkpointing, **job.model_overrides,
         )
     except Exception:  # noqa: BLE001 - see the docstring
         return None

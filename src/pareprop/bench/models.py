@@ -156,6 +156,13 @@ def _build(job: Any, info: _ModelInfo) -> nn.Module:
             raise
     if job.engine == "checkpointed":
         model.set_grad_checkpointing(True)
+    if getattr(job, "grad_checkpointing", False):
+        if not info.reversible:
+            raise ValueError(
+                f"grad checkpointing here is for the blocks of reversible models that are not "
+                f"reversible; {job.model!r} is a baseline: use its engine 'checkpointed'"
+            )
+        model.set_grad_checkpointing(True)
     return model
 
 

@@ -45,6 +45,7 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                                 iters=config.iters, num_classes=config.num_classes,
                                 grad_check=config.grad_check, activation=config.activation,
                                 plan=config.plan, compile=config.compile,
+                                grad_checkpointing=config.grad_checkpointing,
                                 lr=config.lr, seed=config.seed, threads=config.threads,
                                 model_overrides=dict(config.model_overrides),
                             )

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compiled F and G (pareprop.compile_blocks) for reversible models; "
                    "compiled during the warm-up steps")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="reversible models: their non-reversible blocks (MViTv2 transitions, "
+                   "Swin merging and fusion) under activation checkpointing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--drift", action="store_true",
                    help="reconstruction-drift report per block (pareprop.drift_report)")
@@ -154,6 +157,7 @@ def _config(args: argparse.Namespace):
     config.stop_after_oom = not args.keep_going_after_oom
     config.progress = not args.quiet
     config.compile = args.compile
+    config.grad_checkpointing = args.grad_checkpointing
     return config
 
 

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budgets", nargs="+", type=_fraction, default=[None],
                    metavar="F", help="memory budgets from 0 (every block recomputed) to 1 "
                    "(every block stored) for the reversible engines: what each one gives")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="reversible models: run their non-reversible blocks (MViTv2 "
+                   "transitions, Swin merging and fusion) under activation checkpointing")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
     p.add_argument("--out", default="plan_results", metavar="DIR",
@@ -73,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra = {} if args.depth is None else {"depth": args.depth}
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
-                          device=args.device, memory_budgets=args.memory_budgets, **extra)
+                          device=args.device, memory_budgets=args.memory_budgets,
+                          grad_checkpointing=args.grad_checkpointing, **extra)
     except ValueError as err:
         print(f"pareprop plan: error: {err}", file=sys.stderr)
         return 2

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         "most time per byte are stored (pareprop.set_memory_budget)",
     )
     p.add_argument(
+        "--grad-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="run the blocks that are not reversible (MViTv2 transitions, Swin merging and "
+        "fusion) under activation checkpointing: less memory, one more forward of them (off)",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="torch.compile every block's F and G, used in forward and recomputation by every "

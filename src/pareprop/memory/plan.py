@@ -47,6 +47,7 @@ class _PlanJob:  # the attributes pareprop.bench.models._build and _make_inputs 
     depth: Optional[int] = None
     seq_len: Optional[int] = None
     seed: int = 0
+    grad_checkpointing: bool = False
     model_overrides: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,6 +118,7 @@ def plan_memory(
     optimizer: str = "adamw",
     device: str = "cuda",
     memory_budget: Any = None,
+    grad_checkpointing: bool = False,
     **overrides: Any,
 ) -> MemoryReport:
     """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
@@ -135,6 +137,9 @@ def plan_memory(
             :func:`pareprop.set_memory_budget` takes it (a fraction from 0 to 1, or bytes of
             activations); the blocks it stores are chosen on the fake batch by FLOP cost,
             as ``pareprop train --memory-budget`` chooses them.
+        grad_checkpointing: reversible models only: their blocks that are not reversible run
+            under activation checkpointing (``model.set_grad_checkpointing()``; for timm's
+            models that is engine ``checkpointed``).
         **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
             stage), ``seq_len`` (text), ``num_classes`` (default 1000), ``seed``, and any model
             config field.
@@ -156,7 +161,7 @@ def plan_memory(
             "has none to choose (use reversible or pareprop, or no budget)"
         )
     dtype = amp_dtype(amp)
-    job = _PlanJob(model=name, engine=engine)
+    job = _PlanJob(model=name, engine=engine, grad_checkpointing=bool(grad_checkpointing))
     for key in ("num_classes", "img_size", "depth", "seq_len", "seed"):
         if key in overrides:
             setattr(job, key, overrides.pop(key))
@@ -176,7 +181,8 @@ def plan_memory(
         with _planning_values():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
-                        amp=amp_label(dtype), device=str(device), method="tracked_fake")
+                        amp=amp_label(dtype), device=str(device), method="tracked_fake",
+                        grad_checkpointing=job.grad_checkpointing)
 
 
 def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget: Any,

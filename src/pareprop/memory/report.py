@@ -36,6 +36,8 @@ class MemoryReport:
             reversible engines: one block's rebuilt graphs, two under PaReprop). Never negative:
             the kept activations are all alive when backward starts.
         model, engine, batch_size, amp, device: what was measured or planned.
+        grad_checkpointing: whether the model's non-reversible blocks ran under activation
+            checkpointing (``model.set_grad_checkpointing()``).
         method: how ``peak`` was obtained (``cuda_max_allocated``, ``tracked_real``,
             ``tracked_fake``: see docs/memory.md).
     """
@@ -52,6 +54,7 @@ class MemoryReport:
     amp: str = "none"
     device: str = "cpu"
     method: str = ""
+    grad_checkpointing: bool = False
 
     @property
     def transient(self) -> int:
@@ -69,7 +72,8 @@ class MemoryReport:
 
     def table(self) -> str:
         """A small two-column table in GiB, the parts first and the peak last."""
-        what = f"{self.model or 'model'} / {self.engine or '-'} / batch {self.batch_size}"
+        engine = (self.engine or "-") + ("+ckpt" if self.grad_checkpointing else "")
+        what = f"{self.model or 'model'} / {engine} / batch {self.batch_size}"
         rows = [
             ("parameters (+ buffers)", self.parameters),
             ("gradients", self.gradients),

@@ -11,7 +11,7 @@ from pareprop.memory.report import BYTE_FIELDS
 __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
 
 # One record per model, engine and batch size, in plan.json and the printed table.
-PLAN_FIELDS = ("model", "engine", "memory_budget", "batch_size",
+PLAN_FIELDS = ("model", "engine", "memory_budget", "grad_checkpointing", "batch_size",
                "amp", "img_size", "device", *BYTE_FIELDS,
                "inputs", "transient", "fits")
 
@@ -25,6 +25,7 @@ def plan_sweep(
     memory_bytes: Optional[int] = None,
     device: str = "cuda",
     memory_budgets: Sequence[Optional[float]] = (None,),
+    grad_checkpointing: bool = False,
     **overrides: Any,
 ) -> Dict[str, Any]:
     """Plan every model with every engine that applies to it, at every batch size.
@@ -38,6 +39,9 @@ def plan_sweep(
         memory_budgets: fractions from 0 to 1 planned for the reversible engines (see
             :func:`pareprop.set_memory_budget`; ``None``: the engine as it is). Other engines
             are planned once.
+        grad_checkpointing: the reversible models' non-reversible blocks under activation
+            checkpointing (timm's models are unaffected: their engine ``checkpointed`` is
+            that).
 
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
@@ -55,7 +59,11 @@ def plan_sweep(
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
         for engine, budget in _engine_budgets(mine, memory_budgets):
-            kw = dict(amp=amp, device=device, memory_budget=budget, **overrides)
+            from pareprop.bench.models import _model_info
+
+            gc = grad_checkpointing and _model_info(name).reversible
+            kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
+                      **overrides)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
             if memory_bytes is not None:
                 best, searched = largest_batch(name, engine, memory_bytes, **kw)
@@ -63,7 +71,7 @@ def plan_sweep(
                     reports.setdefault(r.batch_size, r)
                 at = reports.get(best)
                 largest.append({"model": name, "engine": engine, "memory_budget": budget,
-                                "largest_batch": best,
+                                "grad_checkpointing": gc, "largest_batch": best,
                                 "peak": at.peak if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
