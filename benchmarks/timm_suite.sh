@@ -44,4 +44,8 @@ text = text.replace(marker, "NON_STD_FILTERS += ['rev_*']\n" + marker, 1)
 open(dst, "w").write(text)
 PY
 cd "$SUITE"
-python -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning test_models.py "$@" 2>&1 | tee "$WORK/suite.log" | tail -n 30
+# test_model_forward_torchscript_with_features_fx names timm's own regnetx_002, not a model of
+# ours, so the restricted model list cannot satisfy it: it is left out.
+python -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning test_models.py \
+    --deselect "test_models.py::test_model_forward_torchscript_with_features_fx[1-regnetx_002]" \
+    -rfE "$@" 2>&1 | tee "$WORK/suite.log" | tail -n 40
