@@ -1,7 +1,8 @@
 """FSDP2 per block (pareprop.fsdp.shard) on the CPU: 2 gloo processes, float64. For every engine
 and one model of each family, a sharded step on half batches equals one process on the whole
 batch: full gradients gathered from the shards, weights after an SGD step, with gradient
-accumulation and with one stored block; each rank holds about half of the bytes."""
+accumulation, with one stored block and with the non-reversible blocks checkpointed; each rank
+holds about half of the bytes."""
 
 import os
 
@@ -101,6 +102,8 @@ def _cases():
         yield family, "reversible", "accum"
         yield family, "pareprop", "stored"
         yield family, "pareprop", "late_reduce"
+        if family in ("mvit", "swin"):  # non-reversible blocks under activation checkpointing
+            yield family, "pareprop", "grad_ckpt"
 
 
 def _worker(rank, world, init_file, out):
@@ -117,6 +120,8 @@ def _worker(rank, world, init_file, out):
                 for stack in model.modules():
                     if isinstance(stack, pareprop.ReversibleStack):
                         stack.store_blocks([len(stack.blocks) // 2])
+            if variant == "grad_ckpt":
+                model.set_grad_checkpointing()
             full_bytes = _local_bytes(model)
             fsdp.shard(model)
             micro = _micro(xs, ys) if variant == "accum" else [(xs, ys)]
