@@ -1,13 +1,16 @@
 """Step time of every engine, eager and with compiled F and G; compile time against depth.
 
     python benchmarks/compile.py [--depth 4] [--embed-dim 192] [--batch-size 16] [--img-size 32]
-        [--rounds 5] [--compile-depths 2 12]
+        [--rounds 5] [--compile-depths 2 12] [--profile]
 
 Rev-ViT (patch 4, 32 px, CIFAR-like) full training steps (forward, cross-entropy, backward,
 SGD-free: gradients only). Configurations take turns, one step each per round, so machine load
 falls on all of them alike; medians over the rounds. Compile time: a fresh Dynamo cache and no
 inductor FX-graph cache, the first step (forward + backward) of a reversible model at each
-depth in --compile-depths, minus the median eager step at that depth.
+depth in --compile-depths, minus the median eager step at that depth. --profile: where a
+step's time goes, per engine, eager and compiled (torch.profiler, medians of --rounds steps):
+forward, the engine's recomputation (``pareprop::recover``), its gradient computation
+(``pareprop::grads``) and the rest of backward, and the operators that take the most time.
 """
 
 from __future__ import annotations
@@ -74,6 +77,44 @@ def compile_times(args: argparse.Namespace) -> Dict[int, float]:
     return result
 
 
+def profile(args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size)
+    y = torch.randint(0, 10, (args.batch_size,))
+    print("\nwhere a step's time goes (ms, medians of the rounds)")
+    print(f"  {'config':22s} {'step':>8} {'forward':>8} {'recover':>8} {'grads':>8} "
+          f"{'backward rest':>14}")
+    tops = {}
+    for engine in ("autograd", "reversible"):
+        for mode in ("eager", "compiled"):
+            model = _model(args, args.depth, engine).train()
+            if mode == "compiled":
+                model = pareprop.compile_blocks(model)
+            _step(model, x, y)
+            _step(model, x, y)
+            rows = []
+            for _ in range(args.rounds):
+                with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                    with torch.profiler.record_function("bench::forward"):
+                        loss = F.cross_entropy(model(x), y)
+                    with torch.profiler.record_function("bench::backward"):
+                        loss.backward()
+                model.zero_grad(set_to_none=True)
+                total = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+                rows.append([total.get(k, 0.0) for k in (
+                    "bench::forward", "pareprop::recover", "pareprop::grads", "bench::backward")])
+                tops[f"{engine} {mode}"] = prof.key_averages()
+            fwd, rec, grd, bwd = (statistics.median(r[i] for r in rows) for i in range(4))
+            print(f"  {engine + ' ' + mode:22s} {fwd + bwd:8.1f} {fwd:8.1f} {rec:8.1f} "
+                  f"{grd:8.1f} {bwd - rec - grd:14.1f}")
+    for name in ("autograd compiled", "reversible compiled"):
+        print(f"\ntop operators by self CPU time, {name} (last profiled step)")
+        print(tops[name].table(sort_by="self_cpu_time_total", row_limit=8,
+                               max_name_column_width=48))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=4)
@@ -82,7 +123,12 @@ def main() -> None:
     p.add_argument("--img-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--compile-depths", type=int, nargs="+", default=[2, 12])
+    p.add_argument("--profile", action="store_true", help="only the profile of where time goes")
     args = p.parse_args()
+    if args.profile:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {vars(args)}")
+        profile(args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {vars(args)}")
     times = step_times(args)
     base = times["autograd eager"]

@@ -106,6 +106,18 @@ def test_gradcheck_through_inputs_and_parameters():
         assert torch.autograd.gradcheck(run, (x1, x2, *params), eps=1e-6, atol=1e-7, fast_mode=True)
 
 
+@pytest.mark.parametrize("engine", ["reversible", "pareprop"])
+def test_backward_phases_are_named_in_profiles(engine):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = Model(3, engine=engine)
+    loss = model(torch.randn(2, 3, DIM)).sum()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("pareprop::recover") == 3 and calls.get("pareprop::grads") == 3
+
+
 @pytest.mark.parametrize("name", ["reversible", "pareprop"])
 def test_global_rng_after_a_step_equals_autograd(name):
     def step(engine):
