@@ -259,3 +259,17 @@ def test_inductor_random_replays_in_recomputation_too():
     model(*inputs).sum().backward()
     errors = model.stack.last_reconstruction_errors
     assert len(errors) == 2 and max(max(e) for e in errors) < 1e-9, errors
+
+
+def test_checkpointed_non_reversible_blocks_under_compile_match_eager(pair):
+    # set_grad_checkpointing: transitions / merging and fusion recompute eagerly in backward
+    # while F and G run compiled.
+    family, eager, compiled, inputs = pair
+    compiled.set_grad_checkpointing(True)
+    try:
+        got = _step(compiled, inputs, "pareprop")
+    finally:
+        compiled.set_grad_checkpointing(False)
+    ref = _step(eager, inputs, "autograd")
+    bad = {k: v for k, v in _errors(got, ref).items() if not v < TOL}
+    assert not bad, f"{family} grad checkpointing: {bad}"
