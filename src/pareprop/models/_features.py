@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.models._features import feature_take_indices
+from timm.models._features import FeatureGetterNet, feature_take_indices
 
-__all__ = ["StageFeaturesMixin", "check_output_fmt"]
+__all__ = ["StageFeatureNet", "StageFeaturesMixin", "check_output_fmt"]
 
 Indices = Optional[Union[int, Sequence[int]]]
 
@@ -105,3 +105,12 @@ class StageFeaturesMixin:
         self.feature_info = self.feature_info[: max_index + 1]
         self.num_features = self.feature_info[-1]["num_chs"]
         return take
+
+
+class StageFeatureNet(FeatureGetterNet):
+    """timm's ``FeatureGetterNet`` (what ``features_only=True`` returns), plus the backbone's
+    ``set_grad_checkpointing``: timm's other feature nets have one, and detection and
+    segmentation pipelines call it on the backbone."""
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.model.set_grad_checkpointing(enable)

@@ -96,9 +96,7 @@ def register_model(
 def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
     """timm's ``FeatureGetterNet`` over the model's ``forward_intermediates``: a list of NCHW
     stage maps, ``feature_info`` describing them (all stages when ``out_indices`` is None)."""
-    from timm.models._features import FeatureGetterNet
-
-    from pareprop.models._features import StageFeaturesMixin
+    from pareprop.models._features import StageFeatureNet, StageFeaturesMixin
     from pareprop.models.vit import RevViT
 
     if not isinstance(model, (StageFeaturesMixin, RevViT)):
@@ -106,12 +104,6 @@ def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
             f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
             f"got {type(model).__name__}"
         )
-    class StageFeatureNet(FeatureGetterNet):
-        def set_grad_checkpointing(self, enable: bool = True) -> None:
-            """The backbone's :meth:`set_grad_checkpointing` (timm's other feature nets have
-            one; detection and segmentation pipelines call it on the backbone)."""
-            self.model.set_grad_checkpointing(enable)
-
     n = len(model.feature_info)
     return StageFeatureNet(model, out_indices=n if out_indices is None else out_indices)
 
