@@ -102,12 +102,14 @@ class DriftReport:
 def _without_randomness(model: nn.Module) -> Iterator[None]:
     # Masks drawn for low-precision tensors need not match those drawn for float32 ones, which
     # would swamp the rounding error this report is about: switch dropout and drop-path off.
-    from timm.layers import DropPath
+    from timm.layers import DropPath as TimmDropPath
+
+    from pareprop.layers import DropPath
 
     saved: List[Tuple[nn.Module, str, float]] = []
     for m in model.modules():
         attr = "p" if isinstance(m, nn.modules.dropout._DropoutNd) else (
-            "drop_prob" if isinstance(m, DropPath) else None
+            "drop_prob" if isinstance(m, (DropPath, TimmDropPath)) else None
         )
         if attr is not None:
             saved.append((m, attr, getattr(m, attr)))

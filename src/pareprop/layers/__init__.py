@@ -1,6 +1,7 @@
 """Reusable layers. They know nothing about the backward engines."""
 
 from pareprop.layers.attention import Attention, attend
+from pareprop.layers.drop import DropPath
 from pareprop.layers.patch_embed import PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers.pooling_attention import (
     PoolingAttention,
@@ -14,6 +15,7 @@ from pareprop.layers.pooling_attention import (
 __all__ = [
     "Attention",
     "attend",
+    "DropPath",
     "PatchEmbed",
     "PoolingAttention",
     "add_decomposed_rel_pos",

@@ -28,12 +28,13 @@ from typing import Any, Dict, Set, Tuple
 
 import torch
 import torch.nn as nn
-from timm.layers import DropPath, Mlp
+from timm.layers import Mlp
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers._config import make_config
 from pareprop.layers.attention import attend
+from pareprop.layers.drop import DropPath
 from pareprop.models._base import (
     ClassifierMixin,
     ReversibleModelMixin,

@@ -16,12 +16,13 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import Mlp, trunc_normal_
 from timm.models._features import feature_take_indices
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
+from pareprop.layers.drop import DropPath
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
