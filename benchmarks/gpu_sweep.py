@@ -40,6 +40,8 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, List, Optional, Sequence  # noqa: E402
 
+from pareprop.bench import stop as bench_stop  # noqa: E402
+
 BASELINE_ENGINES = ("plain", "checkpointed")
 REVERSIBLE_MODEL_ENGINES = ("autograd", "reversible", "pareprop")
 ENGINE_ORDER = BASELINE_ENGINES + REVERSIBLE_MODEL_ENGINES
@@ -70,21 +72,23 @@ def bench_argv(model: str, engine: str, budget_s: float, out_dir: str,
             "--out", out_dir, *bench_args]
 
 
-class _TimeUp(KeyboardInterrupt):
-    """Raised by SIGALRM: ``pareprop bench`` catches KeyboardInterrupt and keeps its records."""
-
-
+# Both handlers only ask the running bench to stop: it does so at its next safe point and
+# keeps its records (NOTE [ Stopping on a signal ] in pareprop/bench/stop.py; raising here
+# once aborted the process from inside a tensor's destructor).
 _terminated = False
+_alarm_fired = False
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
-    raise _TimeUp
+    global _alarm_fired
+    _alarm_fired = True
+    bench_stop.request_stop()
 
 
 def _on_term(signum: int, frame: Any) -> None:
     global _terminated
     _terminated = True
-    raise _TimeUp
+    bench_stop.request_stop()
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -109,7 +113,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    global _terminated
+    global _terminated, _alarm_fired
     args = _parse(sys.argv[1:] if argv is None else argv)
     _terminated = False
     deadline = STARTED + args.budget - WRITE_MARGIN_S
@@ -146,15 +150,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"== {args.label} {engine}: {share:.0f} s ({' '.join(argv_)})", flush=True)
             t0 = time.monotonic()
             status: Any
+            _alarm_fired = False
             try:
                 signal.setitimer(signal.ITIMER_REAL, share)
                 status = pareprop_main(argv_)
-            except _TimeUp:  # cut while writing its results: results.jsonl has the records
-                status = "interrupted"
             except Exception as err:  # noqa: BLE001 - the next engine still gets its turn
                 status = f"{type(err).__name__}: {err}"
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            if bench_stop.stop_requested():
+                # The bench's own SIGTERM handler took a `timeout` during the run.
+                _terminated = _terminated or not _alarm_fired
+                status = "interrupted" if status == 0 else status
+                bench_stop.clear()
             took = time.monotonic() - t0
             print(f"{args.label} {engine}: exit status {status} after {took:.0f} s", flush=True)
             if status not in (0, "interrupted"):

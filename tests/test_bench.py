@@ -449,3 +449,30 @@ def test_grad_rel_err_ignores_rounding_of_gradients_zero_by_construction():
     floored = engine_errors(model, (x,), engines=("reversible",), noise_floor=1e-4)
     assert all(v == raw[k] for k, v in floored["reversible"].items()
                if not k.endswith("norm_k.bias"))
+
+
+def test_a_stop_request_ends_the_sweep_at_a_safe_point_with_the_records_so_far():
+    # What SIGTERM and gpu_sweep's SIGALRM now do (NOTE [ Stopping on a signal ]): a handler
+    # raising inside torch could abort the process; a request is honoured between steps.
+    from pareprop.bench import stop
+
+    config = bench.BenchConfig(models=["bench_test_tiny_rev"], engines=["reversible"],
+                               batch_sizes=[1, 2, 4], depths=[2], device="cpu", warmup=0,
+                               iters=1, plan=False, grad_check=False, activation=False,
+                               progress=False)
+    seen = []
+
+    def keep(record):
+        seen.append(record)
+        stop.request_stop()  # arrives while the first configuration is written
+
+    try:
+        records = bench.run_bench(config, on_record=keep)
+    finally:
+        stop.clear()
+    assert [r["batch_size"] for r in records] == [1] and records[0]["status"] == "ok"
+    stop.request_stop()
+    try:
+        assert bench.run_bench(config) == []  # asked before anything ran
+    finally:
+        stop.clear()

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pareprop.bench import stop
 from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_peak, _rss_peak_bytes
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
@@ -205,9 +206,11 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
             optimizer.step()
 
     for _ in range(job.warmup):
+        stop.check()
         step()
     times = []
     for _ in range(job.iters):
+        stop.check()
         _sync(device)
         t0 = time.perf_counter()
         step()
@@ -234,6 +237,7 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     optimizer.zero_grad(set_to_none=True)
     optimizer.state.clear()  # AdamW's moments are not needed for the checks below
 
+    stop.check()
     if job.activation:
         try:
             out["activation_bytes"] = _activation_bytes(model, inputs, device, job.amp)
@@ -242,6 +246,7 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
                 raise
             out["activation_bytes"] = None  # the step fitted, its graph plus a second did not
     if job.plan:
+        stop.check()
         out["planned_peak_bytes"] = _planned_peak(job, device)
     if job.grad_check and job.engine in REVERSIBLE_ENGINES:
         small = tuple(t[: min(2, job.batch_size)] for t in inputs)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from pareprop.bench import stop
 from pareprop.bench.config import BenchConfig
 from pareprop.bench.cpu_memory import _can_reset_rss
 from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
@@ -90,6 +91,7 @@ def run_bench(
     bar = _progress(len(jobs), config.progress)
     try:
         for job in jobs:
+            stop.check()  # NOTE [ Stopping on a signal ] in pareprop/bench/stop.py
             key = (job.model, job.engine, job.memory_budget, job.depth, job.seq_len)
             bar.set_description(f"{job.model} {job.engine} d={job.depth} bs={job.batch_size}")
             record = _empty_record(job)

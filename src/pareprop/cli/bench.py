@@ -161,10 +161,6 @@ def _config(args: argparse.Namespace):
     return config
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -197,7 +193,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stream.write(json.dumps(bench._jsonable(record)) + "\n")
         stream.flush()
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us with SIGTERM
+    from pareprop.bench import stop
+
+    # `timeout` ends us with SIGTERM: stop at the next safe point and keep the records
+    # (NOTE [ Stopping on a signal ] in pareprop/bench/stop.py).
+    stop.clear()
+    previous = signal.signal(signal.SIGTERM, stop.request_stop)
     try:
         records = bench.run_bench(config, on_record=keep)
     finally:
