@@ -40,6 +40,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
+# FSDP2 with each reversible block as a unit lives in pareprop.fsdp; it is offered here too,
+# beside DDP's wrap_ddp.
+from pareprop.fsdp import shard  # noqa: F401
+
 __all__ = [
     "DistInfo",
     "init",
@@ -248,18 +252,6 @@ def wrap_ddp(
         ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else 0])
     return nn.parallel.DistributedDataParallel(model, static_graph=static_graph, **ddp_kwargs)
 
-
-def shard(
-    model: nn.Module,
-    mesh: Any = None,
-    mp_policy: Any = None,
-    reshard_after_forward: bool = True,
-) -> nn.Module:
-    """FSDP2 with each reversible block as a unit: :func:`pareprop.fsdp.shard`."""
-    from pareprop.fsdp import shard as _shard
-
-    return _shard(model, mesh=mesh, mp_policy=mp_policy,
-                  reshard_after_forward=reshard_after_forward)
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ def plan_sweep(
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
         "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
     """
-    from pareprop.bench.models import engines_for
+    from pareprop.bench.models import _model_info, engines_for
     from pareprop.bench.sweep import _engine_budgets
 
     if img_size is not None:
@@ -59,8 +59,6 @@ def plan_sweep(
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
         for engine, budget in _engine_budgets(mine, memory_budgets):
-            from pareprop.bench.models import _model_info
-
             gc = grad_checkpointing and _model_info(name).reversible
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       **overrides)
