@@ -9,6 +9,7 @@ from pareprop.engine import (
     ReversibleBlock,
     ReversibleStack,
     debug_reconstruction,
+    set_chunking,
     set_engine,
 )
 from pareprop.memory import (
@@ -27,6 +28,7 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "set_chunking",
     "compile_blocks",
     "uncompile_blocks",
     "compiled_blocks",

@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Set, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import PatchEmbed, PoolingAttention, check_image, to_2tuple_int
+from pareprop.layers import Mlp, PatchEmbed, PoolingAttention, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
 from pareprop.layers.drop import DropPath
 from pareprop.layers.recompute import maybe_checkpoint
@@ -215,6 +215,23 @@ class RevMViTBlock(ReversibleBlock):
 
     def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F sums over heads
+    # (pooling, norms and position tables are per head), G acts on each token alone.
+    def f_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
+        return Split.heads(self.attn.num_heads)
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        x = self.norm1(x).view(B, hw[0], hw[1], C)  # (B, H, W, C)
+        x = self.attn(x, heads=chunk).view(B, N, C)  # (B, H*W, C)
+        return self.drop_path1(x)
+
+    def g_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path2(self.mlp(self.norm2(x), chunk))
 
 
 class MViTTransitionBlock(nn.Module):

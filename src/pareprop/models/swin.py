@@ -23,10 +23,11 @@ from typing import Any, Dict, Set, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp, to_2tuple
+from timm.layers import to_2tuple
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import check_image
+from pareprop.layers import Mlp, check_image
 from pareprop.layers._config import make_config
 from pareprop.layers.drop import DropPath
 from pareprop.layers.recompute import maybe_checkpoint
@@ -214,6 +215,11 @@ class RevSwinBlock(ReversibleBlock):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Window attention on ``(B, H, W, C)``; masks from :func:`window_mask`."""
+        return self._attend(x, shift_mask if self.shift > 0 else mask, None)
+
+    def _attend(
+        self, x: torch.Tensor, mask: torch.Tensor | None, heads: Chunk | None
+    ) -> torch.Tensor:
         B, H, W, C = x.shape
         w, s = self.window, self.shift
         x = self.norm1(x)
@@ -221,7 +227,7 @@ class RevSwinBlock(ReversibleBlock):
         x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))  # (B, Hp, Wp, C)
         if s > 0:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        x = self.attn(window_partition(x, w), shift_mask if s > 0 else mask)  # (B*nW, N, C)
+        x = self.attn(window_partition(x, w), mask, heads=heads)  # (B*nW, N, C)
         x = window_reverse(x, w, Hp, Wp)  # (B, Hp, Wp, C)
         if s > 0:
             x = torch.roll(x, shifts=(s, s), dims=(1, 2))
@@ -229,6 +235,27 @@ class RevSwinBlock(ReversibleBlock):
 
     def g(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.drop_path(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F sums over heads,
+    # G acts on each token alone and is cut into bands of rows of the (B, H, W, C) map.
+    def f_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.heads(self.attn.num_heads)
+
+    def f_chunk(
+        self,
+        x: torch.Tensor,
+        chunk: Chunk,
+        mask: torch.Tensor | None = None,
+        shift_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        return self._attend(x, shift_mask if self.shift > 0 else mask, chunk)
+
+    def g_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, **kwargs: Any) -> torch.Tensor:
+        return self.drop_path(self.mlp(self.norm2(x), chunk))
 
 
 class RevSwinStage(nn.Module):
