@@ -9,16 +9,17 @@ import torch.nn.functional as F
 import pareprop
 from pareprop import chunking
 from pareprop import engine as engine_module
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.testing import engine_errors, worst_error
 from test_engine import DIM, TOL, Model, float64  # noqa: F401 - autouse fixture
 
 ENGINES = ("reversible", "pareprop")
 COUNTS = (1, 2, 3, 7)
+BATCH = 8  # F splits over samples: 7 chunks of 8 samples leave an uneven last one
 
 
 def _tiny_models():
-    """One model of each family with enough heads and tokens for 7 uneven chunks, dropout and
-    drop-path on."""
+    """One model of each family with enough tokens for 7 uneven chunks, dropout and drop-path
+    on."""
     vit = pareprop.create_model(
         "rev_vit_tiny_patch4_32", img_size=16, embed_dim=16, depth=3, num_heads=8,
         num_classes=5, drop_path_rate=0.3, attn_drop_rate=0.1, proj_drop_rate=0.1,
@@ -65,27 +66,36 @@ def _spy_chunks(monkeypatch):
 def test_chunks_cover_every_unit_the_first_ones_longer():
     assert [(c.start, c.stop) for c in chunking.chunks(10, 3)] == [(0, 4), (4, 7), (7, 10)]
     assert [c.length for c in chunking.chunks(3, 7)] == [1, 1, 1]  # at most one per unit
-    assert [c.first for c in chunking.chunks(5, 2)] == [True, False]
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])
-@pytest.mark.parametrize("dim", [1, 2])
-def test_chunked_dropout_draws_the_whole_mask(count, dim):
-    x = torch.randn(3, 9, 10)
+@pytest.mark.parametrize("dim,rows", [(0, 1), (0, 3), (1, 1), (2, 1)])
+def test_chunked_dropout_and_drop_path_draw_the_whole_mask(count, dim, rows):
+    # rows=3: three rows per unit along the batch, as Swin's windows (B * nW, N, C)
+    x = torch.randn(9 * rows if dim == 0 else 3, 9, 10)
+    units = x.shape[dim] // rows
+    drop = pareprop.layers.DropPath(0.5).train()
+    for name, whole_fn, chunk_fn in [
+        ("dropout", lambda t: F.dropout(t, 0.4),
+         lambda t, c: chunking.dropout(t, 0.4, True, c, dim)),
+        ("drop_path", drop, lambda t, c: drop(t, c, dim)),
+    ]:
+        torch.manual_seed(5)
+        whole = whole_fn(x)
+        after_whole = torch.get_rng_state()
+        parts = []
+        for chunk in chunking.chunks(units, count):
+            torch.manual_seed(5)  # the engine restores the branch's state before every chunk
+            parts.append(chunk_fn(chunk.take(x, dim, rows), chunk))
+            # the generator moved exactly as the whole draw moved it: later draws agree too
+            assert torch.equal(torch.get_rng_state(), after_whole), name
+        assert torch.equal(torch.cat(parts, dim), whole), name
+    # A chunk that drew only its own part would not match: the test can fail.
+    last = chunking.chunks(units, count)[-1]
     torch.manual_seed(5)
     whole = F.dropout(x, 0.4)
-    after_whole = torch.get_rng_state()
-    parts = []
-    for chunk in chunking.chunks(x.shape[dim], count):
-        torch.manual_seed(5)  # the engine restores the branch's state before every chunk
-        parts.append(chunking.dropout(chunk.take(x, dim), 0.4, True, chunk, dim))
-        # the generator moved exactly as the whole draw moved it: later draws agree too
-        assert torch.equal(torch.get_rng_state(), after_whole)
-    assert torch.equal(torch.cat(parts, dim), whole)
-    # A chunk that drew only its own part would not match: the test can fail.
     torch.manual_seed(5)
-    naive = F.dropout(chunking.chunks(x.shape[dim], count)[-1].take(x, dim), 0.4)
-    assert not torch.equal(naive, chunking.chunks(x.shape[dim], count)[-1].take(whole, dim))
+    assert not torch.equal(F.dropout(last.take(x, dim, rows), 0.4), last.take(whole, dim, rows))
 
 
 @pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text"])
@@ -94,13 +104,15 @@ def test_every_family_and_engine_equals_autograd_with_chunks(family, count, monk
     model = _model(family)
     pareprop.set_chunking(model, chunks=count)
     seen = _spy_chunks(monkeypatch)
-    report = engine_errors(model, model.example_inputs(2, dtype=torch.float64), engines=ENGINES)
+    report = engine_errors(model, model.example_inputs(BATCH, dtype=torch.float64),
+                           engines=ENGINES)
     engine, key, err = worst_error(report)
     assert err < TOL, f"{family} chunks={count}: {engine} {key} relative error {err:.3e}"
     if count == 1:  # whole branches through the chunked (in-place) schedule
         assert seen == []
-    else:  # both kinds of split ran, and some with the uneven last chunk
+    else:  # both splits ran (samples and tokens), and some with an uneven last chunk
         assert seen and all(c == min(count, size) for size, c in seen)
+        assert {size for size, _ in seen} >= {BATCH}
         if count == 7:
             assert any(size % c for size, c in seen)
 
@@ -109,7 +121,8 @@ def test_stored_blocks_with_chunks():
     model = _model("vit")
     model.stack.store_blocks([1])
     pareprop.set_chunking(model, chunks=3)
-    report = engine_errors(model, model.example_inputs(2, dtype=torch.float64), engines=ENGINES)
+    report = engine_errors(model, model.example_inputs(4, dtype=torch.float64),
+                           engines=ENGINES)
     engine, key, err = worst_error(report)
     assert err < TOL, f"{engine} {key} relative error {err:.3e}"
 
@@ -140,20 +153,27 @@ def test_chunking_by_bytes_picks_counts_and_stays_exact(engine, monkeypatch):
     assert model.stack.chunking is None
 
 
-def test_top_block_leaves_the_outputs_alone_and_a_second_backward_agrees():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_outputs_are_left_alone_and_a_second_backward_is_refused(engine):
     model = _model("vit")
-    pareprop.set_engine(model, "reversible")
+    pareprop.set_engine(model, engine)
     pareprop.set_chunking(model, chunks=3)
     x = model.example_inputs(2, dtype=torch.float64)[0]
-    tokens = model.patch_embed(x) + model.pos_embed
-    torch.manual_seed(0)
+    tokens = (model.patch_embed(x) + model.pos_embed).detach()
     y1, y2 = model.stack(tokens, tokens)
     kept = (y1.detach().clone(), y2.detach().clone())
     loss = (y1 * 1.5).sum() + (y2 * y2).sum()
-    first = torch.autograd.grad(loss, list(model.stack.parameters()), retain_graph=True)
-    assert torch.equal(y1, kept[0]) and torch.equal(y2, kept[1])
-    second = torch.autograd.grad(loss, list(model.stack.parameters()))
-    assert max(relative_error(a, b) for a, b in zip(first, second)) == 0.0
+    loss.backward(retain_graph=True)
+    assert torch.equal(y1, kept[0]) and torch.equal(y2, kept[1])  # the caller's outputs
+    with pytest.raises(RuntimeError, match="chunked ReversibleStack a second time"):
+        loss.backward()
+    # An output changed in place before backward is refused, not silently used.
+    y1, y2 = model.stack(tokens, tokens)
+    loss = (y1 * 1.5).sum() + y2.sum()
+    with torch.no_grad():
+        y2.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
 
 
 def test_bf16_autocast_is_replayed_in_chunks():

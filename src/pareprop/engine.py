@@ -32,6 +32,7 @@ from typing import (
     List,
     Optional,
     Sequence,
+    Set,
     Tuple,
     Union,
 )
@@ -358,6 +359,10 @@ class _Plan:
     chunking: Optional[Chunking] = None
     # (block, branch, input shape, dtype, autocast) -> (fixed, per-unit) saved bytes of a chunk.
     chunk_costs: Dict[Any, Tuple[float, float]] = field(default_factory=dict)
+    # A chunked stack's outputs, held here (not saved in the Function) until backward takes
+    # them, and their versions at forward.
+    outputs: Optional[List[Tensor]] = None
+    output_versions: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -573,13 +578,17 @@ def _grads(
 #   * X1 goes into Y1 once G is done: F reads X2 only;
 #   * dY1 + dG goes into dY1, and dY2 + dF into dY2: G's backward has read dY2 by then.
 # The floor of a block's backward is therefore one pair of streams and one pair of
-# gradients. Autograd's saved-tensor rules allow this for every block but the top one: its
-# streams are the Function's saved outputs, which the caller may still hold (and a second
-# backward with retain_graph=True reads again), and its gradients come from autograd, which
-# may hand out views of one tensor (after torch.cat) or a tensor a hook kept. So the top
-# block writes into new tensors, and every block below works in place in what the block above
-# returned. (The top block's outputs and incoming gradients stay alive until backward returns,
-# held by autograd: four stream-sized maps on top of the floor, the same for any depth.)
+# gradients, plus what autograd holds. Not for the top block: its streams are the stack's
+# outputs, which the caller may still hold, and its gradients come from autograd, which may
+# hand out views of one tensor (after torch.cat) or a tensor a hook kept. So the top block
+# writes into copies, and every block below works in place in what the block above returned.
+# The copies cost nothing lasting: a chunked stack does not save its outputs in the autograd
+# Function but holds detached aliases itself (their versions checked in backward), and the
+# top block drops them as soon as they are copied, so they are freed unless the caller holds
+# them. The price is that backward can run once: with retain_graph=True a second backward
+# raises. What stays is the top block's incoming gradients, which autograd holds until
+# backward returns: a block's backward holds two streams, their two gradients, those two, and
+# one chunk's graph with its gradients.
 #
 # Under "pareprop", recover(l-1) runs before grads(l) (NOTE [ PaReprop on two CUDA streams ]),
 # and grads(l) reads block l's Y1 and X2. So recover rebuilds X1 and X2 chunk by chunk without
@@ -642,7 +651,7 @@ def _chunk_cost(
 
 
 def _chunk_input(x: Tensor, split: Optional[Split], chunk: Optional[Chunk]) -> Tensor:
-    if chunk is None or split is None or split.kind == "heads":
+    if chunk is None or split is None:
         return x
     return chunk.take(x, split.dim)
 
@@ -659,6 +668,7 @@ def _run_chunks(
     grad_out: Optional[Tensor] = None,
     grad_into: Optional[Tensor] = None,
     param_grads: Optional[List[Optional[Tensor]]] = None,
+    sums: Optional[Set[int]] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
     subtracted from ``subtract_from``; with ``grad_out`` each chunk is backpropagated at once,
@@ -684,46 +694,50 @@ def _run_chunks(
         del out, leaf  # the chunk's graph is gone; its gradients remain
         if grad_in is not None:
             _chunk_input(grad_into, split, chunk).add_(grad_in)
-        _add_param_grads(owned, grads, param_grads)
+        _add_param_grads(owned, grads, param_grads, sums)
 
 
 @_profiled("pareprop::chunked")
 def _block_chunked(
     plan: _Plan,
     index: int,
-    y1: Tensor,
-    y2: Tensor,
+    streams: List[Optional[Tensor]],
     dy1: Tensor,
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
     in_place: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Recover and backpropagate block ``index`` chunk by chunk ("reversible"): returns X1,
-    X2, dX1, dX2, in the storage of Y1, Y2, dY1, dY2 when ``in_place``."""
+) -> Tuple[Tensor, Tensor]:
+    """Recover and backpropagate block ``index`` chunk by chunk ("reversible"). ``streams``
+    holds Y1, Y2 and is left holding X1, X2; returns dX1, dX2. With ``in_place`` everything is
+    rebuilt in the storage of Y1, Y2, dY1, dY2; without, into copies, and Y1, Y2 are released
+    as soon as they are copied."""
     if plan.sharding is not None:
         plan.sharding.gather(index)
         param_grads = [None] * len(plan.block_params[index])
-    record = plan.records[index]
-    x2 = y2 if in_place else y2.clone()
+    record, sums = plan.records[index], set()
+    x2 = streams[1] if in_place else streams[1].clone()
+    streams[1] = None
     dy1_total = dy1 if in_place else dy1.clone()
     with plan.autocast.replay(), plan.backends.replay(), _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
+        split, count = _branch_chunking(plan, index, "g", streams[0], record.g_rng)
         # Y2 = X2 + G(Y1): X2 is rebuilt into Y2, dY2 flows into G, whose input gradient
         # joins dY1.
-        _run_chunks(plan, index, "g", y1, split, count, record.g_rng, subtract_from=x2,
-                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads)
-        x1 = y1 if in_place else y1.clone()
+        _run_chunks(plan, index, "g", streams[0], split, count, record.g_rng, subtract_from=x2,
+                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        x1 = streams[0] if in_place else streams[0].clone()
+        streams[0] = None
         dx2 = dy2 if in_place else dy2.clone()
         split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
         # Y1 = X1 + F(X2): X1 is rebuilt into Y1, the total dY1 flows into F, whose input
         # gradient joins dY2.
         _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1,
-                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads)
+                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
-    return x1, x2, dy1_total, dx2
+    streams[:] = [x1, x2]
+    return dy1_total, dx2
 
 
 def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
@@ -753,15 +767,15 @@ def _grads_chunked(
     """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated."""
     if plan.sharding is not None:
         param_grads = [None] * len(plan.block_params[index])
-    record = plan.records[index]
+    record, sums = plan.records[index], set()
     dy1_total, dx2 = dy1.clone(), dy2.clone()
     with plan.autocast.replay(), plan.backends.replay(), _forward_parameters(plan, index):
         split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
         _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
-                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads)
+                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
         split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
         _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
-                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads)
+                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
     return dy1_total, dx2
@@ -866,30 +880,41 @@ def _add_param_grads(
     owned: List[Tuple[int, Tensor]],
     grads: Sequence[Optional[Tensor]],
     param_grads: List[Optional[Tensor]],
+    sums: Optional[Set[int]] = None,
 ) -> None:
+    """Add ``grads`` into ``param_grads``: a parameter shared by F and G, by several chunks or
+    by several blocks sums its gradients. ``sums`` holds the ids of sums made here, which are
+    ours to add into in place (a gradient autograd returned may alias another tensor, such as
+    the gradient flowing in); chunks add many times, so this keeps one sum per parameter."""
     for (slot, _), grad in zip(owned, grads):
         if grad is None:
             continue
         previous = param_grads[slot]
-        # a parameter shared by F and G, by several chunks or by several blocks sums its
-        # gradients
-        param_grads[slot] = grad if previous is None else previous + grad
+        if previous is None:
+            param_grads[slot] = grad
+        elif sums is not None and id(previous) in sums:
+            previous.add_(grad)
+        else:
+            param_grads[slot] = previous + grad
+            if sums is not None:
+                sums.add(id(param_grads[slot]))
 
 
-def _backward_in_order(plan, y1, y2, dy1, dy2, param_grads):
-    # The top block's streams are the Function's saved outputs and its gradients come from
-    # autograd: not ours to overwrite (NOTE [ Chunked backward ]). What a chunked block returns
-    # is.
+def _backward_in_order(plan, streams, dy1, dy2, param_grads):
+    # ``streams`` is the only holder of the current block's outputs, so that a chunked block
+    # can release them as soon as it has copied them (NOTE [ Chunked backward ]). The top
+    # block's gradients come from autograd: not ours to overwrite. What a chunked block
+    # returns is.
     owned = False
     for index in reversed(range(len(plan.blocks))):
         if plan.chunking is not None and not plan.stored[index]:
-            y1, y2, dy1, dy2 = _block_chunked(plan, index, y1, y2, dy1, dy2, param_grads, owned)
+            dy1, dy2 = _block_chunked(plan, index, streams, dy1, dy2, param_grads, owned)
             owned = True
             continue
         owned = False
-        rebuilt = _recover(plan, index, y1, y2)
+        rebuilt = _recover(plan, index, *streams)
         dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
-        y1, y2 = rebuilt.x1, _detached(rebuilt.x2)
+        streams[:] = [rebuilt.x1, _detached(rebuilt.x2)]
         del rebuilt  # frees block index's graph before the next block builds its own
     return dy1, dy2
 
@@ -937,6 +962,25 @@ def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
 
 
+def _take_outputs(plan: _Plan) -> List[Optional[Tensor]]:
+    """A chunked stack's outputs, handed to backward once (NOTE [ Chunked backward ])."""
+    if plan.outputs is None:
+        raise RuntimeError(
+            "backward through a chunked ReversibleStack a second time: its backward releases "
+            "the stack's outputs as it goes, so retain_graph=True cannot keep them; turn "
+            "chunking off (pareprop.set_chunking(model)) to backpropagate twice"
+        )
+    outputs, plan.outputs = plan.outputs, None
+    for t, version in zip(outputs, plan.output_versions):
+        if t._version != version:
+            raise RuntimeError(
+                "an output of a ReversibleStack was modified in place between forward and "
+                "backward; the reversible engines rebuild every block's inputs from it (use "
+                "an out-of-place operation on the output)"
+            )
+    return outputs
+
+
 class _ReversibleFunction(torch.autograd.Function):
     """Forward without a graph, keeping only the outputs; backward by reconstruction.
 
@@ -970,8 +1014,13 @@ class _ReversibleFunction(torch.autograd.Function):
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
         ctx.plan = plan
         # The top block's outputs are what the reversible engines rebuild from; a stored top
-        # block keeps what its backward needs in its own graph.
-        ctx.save_for_backward(*((x1, x2) if not stored[-1] else ()))
+        # block keeps what its backward needs in its own graph. A chunked stack holds them
+        # itself, to release them in backward (NOTE [ Chunked backward ]).
+        if plan.chunking is not None and not stored[-1]:
+            plan.outputs = [x1.detach(), x2.detach()]
+            plan.output_versions = (x1._version, x2._version)
+        else:
+            ctx.save_for_backward(*((x1, x2) if not stored[-1] else ()))
         return x1, x2
 
     @staticmethod
@@ -986,14 +1035,14 @@ class _ReversibleFunction(torch.autograd.Function):
         # second backward raises autograd's own "backward through the graph a second time".
         plan: _Plan = ctx.plan
         saved = ctx.saved_tensors
-        y1, y2 = saved if saved else (None, None)
+        streams = _take_outputs(plan) if plan.output_versions else list(saved or (None, None))
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
         entry = _RngState.capture(plan.device)
         try:
             if plan.engine == "pareprop":
-                dx1, dx2 = _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_pareprop(plan, *streams, dy1, dy2, param_grads)
             else:
-                dx1, dx2 = _backward_in_order(plan, y1, y2, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
             entry.restore(plan.device)
         return (None, dx1, dx2, *param_grads)

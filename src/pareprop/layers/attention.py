@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pareprop.chunking import Chunk, dropout
 
-__all__ = ["Attention", "attend", "head_rows", "head_columns"]
+__all__ = ["Attention", "attend"]
 
 
 def attend(
@@ -19,7 +19,7 @@ def attend(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    heads: Optional[Chunk] = None,
+    chunk: Optional[Chunk] = None,
 ) -> torch.Tensor:
     """Softmax attention of ``(B, heads, N, head_dim)`` queries, keys and values.
 
@@ -29,36 +29,17 @@ def attend(
     depends on the backend they pick, and the backend may depend on whether the inputs
     require grad, which differs between a reversible engine's forward (no grad) and its
     recomputation. nn.Dropout's masks depend only on the generator state, which the engines
-    replay exactly. ``heads``: the queries, keys and values are these heads of all of them;
-    the dropout mask is then their slice of the mask for all heads.
+    replay exactly. ``chunk``: the inputs are that chunk of the batch, whose dropout mask is
+    its slice of the whole batch's (NOTE [ Exact randomness in chunks ] in
+    pareprop/chunking.py).
     """
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, heads, N, N)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    weights = dropout(scores.softmax(dim=-1), dropout_p, True, heads, dim=1)
+    weights = dropout(scores.softmax(dim=-1), dropout_p, True, chunk, dim=0)
     return weights @ v  # (B, heads, N, head_dim)
-
-
-def head_rows(
-    linear: nn.Linear, groups: int, num_heads: int, heads: Chunk
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Weight rows and bias of a projection whose output is ``groups`` blocks (q, k, v) of
-    ``num_heads`` heads each, restricted to ``heads`` in every block."""
-    w = linear.weight.unflatten(0, (groups, num_heads, -1))[:, heads.start:heads.stop]
-    b = linear.bias
-    if b is not None:
-        b = b.unflatten(0, (groups, num_heads, -1))[:, heads.start:heads.stop].flatten()
-    return w.flatten(0, 2), b
-
-
-def head_columns(proj: nn.Linear, x: torch.Tensor, num_heads: int, heads: Chunk) -> torch.Tensor:
-    """``heads``'s share of ``proj`` applied to all heads: ``x`` holds those heads' features,
-    the weight's matching columns multiply them, and the bias joins the first chunk only, so
-    the chunks' results sum to ``proj`` of all heads."""
-    w = proj.weight.unflatten(1, (num_heads, -1))[:, heads.start:heads.stop].flatten(1)
-    return F.linear(x, w, proj.bias if heads.first else None)
 
 
 class Attention(nn.Module):
@@ -92,17 +73,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, heads: Optional[Chunk] = None) -> torch.Tensor:
-        """``heads``: compute only these heads' share of the output (the shares of a chunked
-        branch sum to the whole output; NOTE [ Chunked branches ] in pareprop/chunking.py)."""
+    def forward(self, x: torch.Tensor, chunk: Optional[Chunk] = None) -> torch.Tensor:
+        """``chunk``: ``x`` is that chunk of the batch (for its dropout masks)."""
         B, N, C = x.shape
-        if heads is None:
-            h, qkv = self.num_heads, self.qkv(x)
-        else:
-            h, qkv = heads.length, F.linear(x, *head_rows(self.qkv, 3, self.num_heads, heads))
-        q, k, v = qkv.reshape(B, N, 3, h, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        # 3 x (B, h, N, head_dim)
-        x = attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0, heads=heads)
-        x = x.transpose(1, 2).reshape(B, N, h * self.head_dim)  # (B, N, h * head_dim)
-        x = self.proj(x) if heads is None else head_columns(self.proj, x, self.num_heads, heads)
-        return self.proj_drop(x)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, N, head_dim)
+        x = attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0, chunk=chunk)
+        x = x.transpose(1, 2).reshape(B, N, C)  # (B, N, C)
+        return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)

@@ -9,15 +9,12 @@ to the logits; the pooled query is added back to the output (residual pooling).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
-
-from pareprop.chunking import Chunk
-from pareprop.layers.attention import head_columns, head_rows
 
 __all__ = [
     "PoolingAttention",
@@ -201,16 +198,10 @@ class PoolingAttention(nn.Module):
         x = pool(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B * heads, H', W', head_dim)
         return norm(x)
 
-    def forward(self, x: torch.Tensor, heads: Optional[Chunk] = None) -> torch.Tensor:
-        """``heads``: compute only these heads' share of the output (NOTE [ Chunked branches ]
-        in pareprop/chunking.py); pooling, norms and position tables are shared by the heads."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W, _ = x.shape
-        hd = self.head_dim
-        if heads is None:
-            nh, qkv = self.num_heads, self.qkv(x)
-        else:
-            nh, qkv = heads.length, F.linear(x, *head_rows(self.qkv, 3, self.num_heads, heads))
-        qkv = qkv.reshape(B, H, W, 3, nh, hd)
+        nh, hd = self.num_heads, self.head_dim
+        qkv = self.qkv(x).reshape(B, H, W, 3, nh, hd)
         qkv = qkv.permute(3, 0, 4, 1, 2, 5).reshape(3, B * nh, H, W, hd)
         q, k, v = qkv.unbind(0)  # 3 x (B * heads, H, W, head_dim)
         q = self._pool(q, self.pool_q, self.norm_q)  # (B * heads, Hq, Wq, head_dim)
@@ -254,5 +245,4 @@ class PoolingAttention(nn.Module):
             out = window_unpartition(out, q_hw[0], q_padded, q_map)  # (B * heads, Hq, Wq, hd)
         Hq, Wq = q_map
         out = out.reshape(B, nh, Hq, Wq, hd).permute(0, 2, 3, 1, 4).reshape(B, Hq, Wq, nh * hd)
-        return self.proj(out) if heads is None else head_columns(
-            self.proj, out, self.num_heads, heads)
+        return self.proj(out)

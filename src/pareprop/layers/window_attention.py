@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
 from pareprop.chunking import Chunk, dropout
-from pareprop.layers.attention import head_columns, head_rows
 
 __all__ = [
     "WindowAttention",
@@ -151,15 +150,15 @@ class WindowAttention(nn.Module):
         return bias.view(N, N, -1).permute(2, 0, 1)  # (heads, N, N)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, heads: Optional[Chunk] = None
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk: Optional[Chunk] = None
     ) -> torch.Tensor:
         """Attend within windows.
 
         Args:
             x: ``(B * nW, N, C)`` windows, as made by :func:`window_partition`.
             mask: Optional ``(nW, N, N)`` boolean mask from :func:`window_mask`.
-            heads: compute only these heads' share of the output (NOTE [ Chunked branches ] in
-                pareprop/chunking.py).
+            chunk: ``x`` holds that chunk of the batch's samples (for its dropout masks; NOTE
+                [ Exact randomness in chunks ] in pareprop/chunking.py).
 
         Returns:
             ``(B * nW, N, C)``.
@@ -167,28 +166,19 @@ class WindowAttention(nn.Module):
         BnW, N, C = x.shape
         if N != self.window * self.window:
             raise ValueError(f"expected windows of {self.window**2} tokens, got {N}")
-        if heads is None:
-            h, qkv, bias = self.num_heads, self.qkv(x), self.relative_position_bias()
-        else:
-            h = heads.length
-            qkv = F.linear(x, *head_rows(self.qkv, 3, self.num_heads, heads))
-            bias = self.relative_position_bias()[heads.start:heads.stop]
-        q, k, v = self._heads(qkv, h)
-        attn = (q * self.scale) @ k.transpose(-2, -1)  # (B*nW, h, N, N)
-        attn = attn + bias.to(attn.dtype)
+        q, k, v = self._heads(self.qkv(x))
+        attn = (q * self.scale) @ k.transpose(-2, -1)  # (B*nW, heads, N, N)
+        attn = attn + self.relative_position_bias().to(attn.dtype)
         if mask is not None:
             nW = mask.shape[0]
-            attn = attn.view(BnW // nW, nW, h, N, N)
+            attn = attn.view(BnW // nW, nW, self.num_heads, N, N)
             attn = attn.masked_fill(~mask[None, :, None], float("-inf"))
-            attn = attn.view(BnW, h, N, N)
-        attn = dropout(F.softmax(attn, dim=-1), self.attn_drop.p, self.training, heads, dim=1)
-        x = (attn @ v).transpose(1, 2).reshape(BnW, N, -1)  # (B*nW, N, h * head_dim)
-        x = self.proj(x) if heads is None else head_columns(self.proj, x, self.num_heads, heads)
-        return self.proj_drop(x)
+            attn = attn.view(BnW, self.num_heads, N, N)
+        attn = dropout(F.softmax(attn, dim=-1), self.attn_drop.p, self.training, chunk, dim=0)
+        x = (attn @ v).transpose(1, 2).reshape(BnW, N, C)  # (B*nW, N, C)
+        return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)
 
-    def _heads(
-        self, qkv: torch.Tensor, h: int
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         BnW, N, _ = qkv.shape
-        qkv = qkv.view(BnW, N, 3, h, -1).permute(2, 0, 3, 1, 4)
-        return qkv[0], qkv[1], qkv[2]  # each (B*nW, h, N, head_dim)
+        qkv = qkv.view(BnW, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]  # each (B*nW, heads, N, head_dim)

@@ -32,7 +32,7 @@ from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Mlp, PatchEmbed, PoolingAttention, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
-from pareprop.layers.drop import DropPath
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
@@ -208,30 +208,29 @@ class RevMViTBlock(ReversibleBlock):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def f(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path1(self._attend(x, hw))
+
+    def _attend(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
         x = self.norm1(x).view(B, hw[0], hw[1], C)  # (B, H, W, C)
-        x = self.attn(x).view(B, N, C)  # (B, H*W, C)
-        return self.drop_path1(x)
+        return self.attn(x).view(B, N, C)  # (B, H*W, C)
 
     def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
 
-    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F sums over heads
-    # (pooling, norms and position tables are per head), G acts on each token alone.
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone (pooling attention has no dropout), G on each token alone.
     def f_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
-        return Split.heads(self.attn.num_heads)
+        return Split.samples(x.shape[0])
 
     def f_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        x = self.norm1(x).view(B, hw[0], hw[1], C)  # (B, H, W, C)
-        x = self.attn(x, heads=chunk).view(B, N, C)  # (B, H*W, C)
-        return self.drop_path1(x)
+        return drop_path(self.drop_path1, self._attend(x, hw), chunk, dim=0)
 
     def g_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
         return Split.tokens(x.shape[1])
 
     def g_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
-        return self.drop_path2(self.mlp(self.norm2(x), chunk))
+        return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class MViTTransitionBlock(nn.Module):

@@ -23,7 +23,7 @@ from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers._config import make_config
-from pareprop.layers.drop import DropPath
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.mlp import Mlp
 from pareprop.models._base import (
     CIFAR_MEAN,
@@ -109,19 +109,19 @@ class RevViTBlock(ReversibleBlock):
     def g(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
 
-    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F sums over heads,
-    # G acts on each token alone.
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone, G on each token alone.
     def f_split(self, x: torch.Tensor) -> Split:
-        return Split.heads(self.attn.num_heads)
+        return Split.samples(x.shape[0])
 
     def f_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        return self.drop_path1(self.attn(self.norm1(x), heads=chunk))
+        return drop_path(self.drop_path1, self.attn(self.norm1(x), chunk), chunk, dim=0)
 
     def g_split(self, x: torch.Tensor) -> Split:
         return Split.tokens(x.shape[1])
 
     def g_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        return self.drop_path2(self.mlp(self.norm2(x), chunk))
+        return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class RevViT(ReversibleImageModelMixin, nn.Module):
