@@ -625,15 +625,15 @@ def _chunk_cost(
     if key in plan.chunk_costs:
         return plan.chunk_costs[key]
     block = plan.blocks[index]
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    skip.add(x.untyped_storage().data_ptr())
+    skip = {p.untyped_storage()._cdata for p in block.parameters()}
+    skip.add(x.untyped_storage()._cdata)
     measured = []
     for units in (1, 2) if split.size >= 2 else (1,):
         chunk = Chunk(0, 2, 0, units, split.size)
         seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
 
         def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> Tensor:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
             if ptr not in skip:
                 seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
             return t
