@@ -11,10 +11,10 @@ import torch
 from pareprop.bench import stop
 from pareprop.bench.config import BenchConfig
 from pareprop.bench.cpu_memory import _can_reset_rss
-from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
+from pareprop.bench.fields import BASELINE_ENGINES
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _Job, measure
-from pareprop.bench.models import _model_info, engines_for
+from pareprop.catalog import engine_budgets, engines_for, model_facts
 from pareprop.engine import ENGINES
 
 __all__ = ["run_bench"]
@@ -26,15 +26,15 @@ def _jobs(config: BenchConfig) -> List[_Job]:
     for name in config.models:
         engines = engines_for(name, config.engines)
         if not engines:
-            valid = ENGINES if _model_info(name).reversible else BASELINE_ENGINES
+            valid = ENGINES if model_facts(name).reversible else BASELINE_ENGINES
             raise ValueError(
                 f"expected an engine that applies to {name!r} ({', '.join(valid)}), "
                 f"got {', '.join(config.engines)}"
             )
         # Sequence lengths only multiply the configurations of text models.
-        seq_lens = config.seq_lens if _model_info(name).text else (None,)
+        seq_lens = config.seq_lens if model_facts(name).text else (None,)
         for depth in config.depths:
-            for engine, budget in _engine_budgets(engines, config.memory_budgets):
+            for engine, budget in engine_budgets(engines, config.memory_budgets):
                 for seq_len in seq_lens:
                     for bs in sorted(config.batch_sizes):
                         jobs.append(
@@ -52,18 +52,6 @@ def _jobs(config: BenchConfig) -> List[_Job]:
                             )
                         )
     return jobs
-
-
-def _engine_budgets(engines: List[str], budgets) -> List[Tuple[str, Any]]:
-    # A memory budget chooses stored blocks for a reversible engine; autograd and the
-    # baselines have nothing to choose and run once.
-    out: List[Tuple[str, Any]] = []
-    for engine in engines:
-        if engine in REVERSIBLE_ENGINES:
-            out += [(engine, None if b is None else float(b)) for b in dict.fromkeys(budgets)]
-        else:
-            out.append((engine, None))
-    return out
 
 
 def run_bench(
