@@ -215,7 +215,7 @@ def test_oom_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
 
 
 def test_measure_classifies_errors():
-    job = bench._jobs(bench.BenchConfig(
+    job = bench.sweep_jobs(bench.BenchConfig(
         models=("bench_test_tiny_oom",), engines=("autograd",), batch_sizes=(4,), device="cpu",
         warmup=0, iters=1, progress=False))[0]
     assert bench.measure(job)["status"] == "oom"

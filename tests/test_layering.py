@@ -227,6 +227,33 @@ def test_no_function_local_import_of_pareprop():
         "import is for an optional or heavy third-party module only):\n" + "\n".join(local))
 
 
+def _unit(name: str) -> str:
+    # A top-level module or package: pareprop.bench.measure -> pareprop.bench.
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_import_of_another_packages_private_names():
+    # ``from pareprop.layers._config import make_config`` in models/, or a ``_name`` of another
+    # package: what a package keeps private is for its own modules.
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node)
+                named = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                continue
+            for name in named:
+                parts = name.split(".")
+                if parts[0] != "pareprop" or _unit(name) == _unit(module):
+                    continue
+                if any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} imports {name}")
+    assert not found, "imports of another package's private names:\n" + "\n".join(found)
+
+
 def test_the_guard_sees_a_circle_and_an_upward_import():
     graph = {"pareprop.engine": {"pareprop.budget"}, "pareprop.budget": {"pareprop.engine"}}
     assert _cycles(graph) == [["pareprop.budget", "pareprop.engine", "pareprop.budget"]]

@@ -23,7 +23,7 @@ from timm.layers import DropPath as TimmDropPath
 
 from pareprop.engine import ENGINES, ReversibleStack, debug_reconstruction
 from pareprop.layers import DropPath
-from pareprop.testing import _one_step, relative_error
+from pareprop.testing import one_step, relative_error
 
 __all__ = ["DriftReport", "drift_report"]
 
@@ -197,7 +197,7 @@ def drift_report(
         for x in inputs
     ]
     with _without_randomness(reference_model):
-        _, _, reference = _one_step(reference_model, ref_inputs, "autograd", seed, None, {})
+        _, _, reference = one_step(reference_model, ref_inputs, "autograd", seed, None, {})
     del reference_model
 
     model.train()
@@ -211,7 +211,7 @@ def drift_report(
                     else contextlib.nullcontext()
                 )
                 with autocast:
-                    _, _, grads = _one_step(model, inputs, engine, seed, None, {})
+                    _, _, grads = one_step(model, inputs, engine, seed, None, {})
                 if engine != "autograd":
                     report.reconstruction[engine] = [
                         max(pair)

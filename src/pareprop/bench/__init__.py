@@ -30,7 +30,7 @@ memory planner and the trainer build them. One job per module:
 """
 
 # Private names stay importable from here: the subprocess worker (isolate.py), the CLI and the
-# tests reach them as ``bench._jobs``, ``bench._Job``... as they did when this was one module.
+# tests reach them as ``bench._Job``, ``bench._is_oom``... as they did when this was one module.
 # ruff: noqa: F401
 from pareprop.bench.config import BenchConfig, default_config
 from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_peak, _rss_peak_bytes
@@ -45,15 +45,15 @@ from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _is_oom, _Job, measure
 from pareprop.bench.results import (
-    _jsonable,
     format_headline,
     format_ratios,
     format_summary,
     format_table,
+    jsonable,
     ratio_summary,
     write_results,
 )
-from pareprop.bench.sweep import _jobs, run_bench
+from pareprop.bench.sweep import run_bench, sweep_jobs
 from pareprop.catalog import engines_for
 from pareprop.engine import set_engine
 

@@ -25,7 +25,7 @@ def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, 
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "results.json")
     with open(json_path, "w") as fh:
-        json.dump([_jsonable(r) for r in records], fh, indent=1)
+        json.dump([jsonable(r) for r in records], fh, indent=1)
     csv_path = os.path.join(out_dir, "results.csv")
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(RECORD_FIELDS), extrasaction="ignore")
@@ -36,7 +36,7 @@ def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, 
     return {"json": json_path, "csv": csv_path, "plots": plots}
 
 
-def _jsonable(record: Dict[str, Any]) -> Dict[str, Any]:
+def jsonable(record: Dict[str, Any]) -> Dict[str, Any]:
     out = {}
     for k, v in record.items():
         if isinstance(v, float) and not math.isfinite(v):

@@ -20,7 +20,7 @@ from pareprop.engine import ENGINES
 __all__ = ["run_bench"]
 
 
-def _jobs(config: BenchConfig) -> List[_Job]:
+def sweep_jobs(config: BenchConfig) -> List[_Job]:
     device = config.resolved_device()
     jobs = []
     for name in config.models:
@@ -67,7 +67,7 @@ def run_bench(
         The records, in sweep order (model, depth, engine, seq_len, batch size).
     """
     config.validate()
-    jobs = _jobs(config)
+    jobs = sweep_jobs(config)
     device = torch.device(config.resolved_device())
     isolate = config.isolate
     if isolate is None:

@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config.validate()
         if args.drift:
             return _drift(config, args.out)
-        bench._jobs(config)  # raises for a model that none of the engines applies to
+        bench.sweep_jobs(config)  # raises for a model that none of the engines applies to
     except ValueError as err:
         print(f"pareprop bench: error: {err}", file=sys.stderr)
         return 2
@@ -192,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stream = open(os.path.join(args.out, "results.jsonl"), "w")
 
     def keep(record: dict) -> None:
-        stream.write(json.dumps(bench._jsonable(record)) + "\n")
+        stream.write(json.dumps(bench.jsonable(record)) + "\n")
         stream.flush()
 
     # `timeout` ends us with SIGTERM: stop at the next safe point and keep the records
@@ -241,7 +241,7 @@ def _drift(config: Any, out_dir: str) -> int:
         if not facts.reversible:
             print(f"pareprop bench: --drift skips {name} (no reversible stack)", file=sys.stderr)
             continue
-        for job in bench._jobs(config):
+        for job in bench.sweep_jobs(config):
             if job.model != name or job.engine != engines[0] or job.batch_size != min(
                 config.batch_sizes
             ):
