@@ -246,6 +246,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     Entries that are the same tensor under two names (tied weights) are kept once, under the
     first name, as ``safetensors.torch.save_model`` does for an unsharded model.
     """
+    # The DTensor machinery loads only for a sharded model's state dict.
     from torch.distributed.tensor import DTensor
 
     out: Dict[str, torch.Tensor] = {}

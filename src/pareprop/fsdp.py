@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 
 from pareprop.engine import ReversibleBlock, ReversibleStack
@@ -200,8 +201,6 @@ def shard(
         RuntimeError: this torch has no ``fully_shard``, or no process group is initialised.
         ValueError: the model is already wrapped.
     """
-    import torch.distributed as tdist
-
     fully_shard = _fully_shard()
     if not tdist.is_available() or not tdist.is_initialized():
         raise RuntimeError(

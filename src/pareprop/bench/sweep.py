@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+from tqdm.auto import tqdm
 
 from pareprop.bench import stop
 from pareprop.bench.config import BenchConfig
@@ -110,7 +111,5 @@ def run_bench(
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, disable=not enabled, unit="config", dynamic_ncols=True,
                 file=sys.stderr)

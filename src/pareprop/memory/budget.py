@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from pareprop import engine as engine_lib
 from pareprop.engine import ReversibleStack
@@ -187,8 +188,6 @@ def _measure_blocks(
             current[0] = key
             counter = None
             if cost == "flops" and counting[0]:
-                from torch.utils.flop_counter import FlopCounterMode
-
                 counter = FlopCounterMode(display=False)
                 counter.__enter__()
             _sync(device)
