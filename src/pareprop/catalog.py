@@ -177,8 +177,8 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
     if facts.source == "pareprop":
         model = create_model(request.model, **_pareprop_kwargs(request, facts))
     else:
-        kwargs: Dict[str, Any] = dict(request.overrides)
-        for key in ("num_classes", "img_size", "depth"):
+        kwargs = _with_num_classes(request)
+        for key in ("img_size", "depth"):
             if getattr(request, key) is not None:
                 kwargs[key] = getattr(request, key)
         try:
@@ -203,9 +203,7 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
 
 
 def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]:
-    kwargs: Dict[str, Any] = dict(request.overrides)
-    if request.num_classes is not None:
-        kwargs["num_classes"] = request.num_classes
+    kwargs = _with_num_classes(request)
     names = {f.name for f in dataclasses.fields(facts.cfg)} if facts.cfg is not None else set()
     if facts.reversible:
         kwargs["engine"] = request.engine
@@ -213,6 +211,15 @@ def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]
         kwargs["img_size"] = request.img_size
     if facts.cfg is not None:
         kwargs.update(depth_overrides(facts.cfg, request.depth))
+    return kwargs
+
+
+def _with_num_classes(request: ModelRequest) -> Dict[str, Any]:
+    # A num_classes among the overrides wins over the request's (as --model-overrides does).
+    kwargs: Dict[str, Any] = {}
+    if request.num_classes is not None:
+        kwargs["num_classes"] = request.num_classes
+    kwargs.update(request.overrides)
     return kwargs
 
 
