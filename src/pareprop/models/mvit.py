@@ -30,8 +30,14 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import Mlp, PatchEmbed, PoolingAttention, check_image, to_2tuple_int
-from pareprop.layers._config import make_config
+from pareprop.layers import (
+    Mlp,
+    PatchEmbed,
+    PoolingAttention,
+    check_image,
+    make_config,
+    to_2tuple_int,
+)
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (

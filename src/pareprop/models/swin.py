@@ -27,8 +27,7 @@ from timm.layers import to_2tuple
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import Mlp, check_image
-from pareprop.layers._config import make_config
+from pareprop.layers import Mlp, check_image, make_config
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.layers.window_attention import (

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pareprop.chunking import Chunk, Split, dropout
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers._config import make_config
+from pareprop.layers import make_config
 from pareprop.layers.attention import attend
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.mlp import Mlp

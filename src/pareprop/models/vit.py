@@ -21,8 +21,7 @@ from timm.models._features import feature_take_indices
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
-from pareprop.layers._config import make_config
+from pareprop.layers import Attention, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.mlp import Mlp
 from pareprop.models._base import (
