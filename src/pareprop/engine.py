@@ -678,23 +678,58 @@ def _run_chunks(
     owned = plan.block_params[index]
     params = [p for _, p in owned]
     pieces = [None] if split is None or count == 1 else chunks(split.size, count)
-    for chunk in pieces:
-        rng.restore(plan.device)
-        with torch.set_grad_enabled(grad_out is not None):
-            leaf = _chunk_input(x, split, chunk).detach()
-            if grad_out is not None:
-                leaf.requires_grad_(True)
-            out = _call_checked(block, name, leaf, plan.kwargs, chunk)
-        if subtract_from is not None:
-            with torch.no_grad():
-                _chunk_input(subtract_from, split, chunk).sub_(out)
-        if grad_out is None:
-            continue
-        grad_in, *grads = _vjp(out, [leaf, *params], _chunk_input(grad_out, split, chunk))
-        del out, leaf  # the chunk's graph is gone; its gradients remain
-        if grad_in is not None:
-            _chunk_input(grad_into, split, chunk).add_(grad_in)
-        _add_param_grads(owned, grads, param_grads, sums)
+    accumulate = grad_out is not None and len(pieces) > 1
+    with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:
+        for chunk in pieces:
+            rng.restore(plan.device)
+            with torch.set_grad_enabled(grad_out is not None):
+                leaf = _chunk_input(x, split, chunk).detach()
+                if grad_out is not None:
+                    leaf.requires_grad_(True)
+                out = _call_checked(block, name, leaf, plan.kwargs, chunk)
+            if subtract_from is not None:
+                with torch.no_grad():
+                    _chunk_input(subtract_from, split, chunk).sub_(out)
+            if grad_out is None:
+                continue
+            part = _chunk_input(grad_out, split, chunk)
+            if accumulate:  # parameter gradients accumulate in the leaves' .grad
+                if out.requires_grad:
+                    torch.autograd.backward(out, part.to(out.dtype), inputs=[leaf, *leaves])
+                grad_in, grads = leaf.grad, ()
+            else:
+                grad_in, *grads = _vjp(out, [leaf, *params], part)
+            del out, leaf  # the chunk's graph is gone; its gradients remain
+            if grad_in is not None:
+                _chunk_input(grad_into, split, chunk).add_(grad_in)
+            _add_param_grads(owned, grads, param_grads, sums)
+        if accumulate:
+            _add_param_grads(owned, [t.grad for t in leaves], param_grads, sums)
+
+
+# NOTE [ Parameter gradients of chunks ]
+# torch.autograd.grad hands back every parameter's gradient of a chunk at once, all alive
+# together beside the running sums: one block's parameter gradients more than whole branches
+# need, which is what sets the peak of a small-batch step. So over several chunks the block's
+# parameters are swapped (as NOTE [ Recomputing with the forward's parameters ] swaps them)
+# for leaves that alias them, and backward accumulates into the leaves' .grad: each
+# parameter's chunk gradient is added in place and freed as soon as it is computed.
+
+
+@contextlib.contextmanager
+def _accumulating(plan: _Plan, index: int, params: List[Tensor]) -> Iterator[List[Tensor]]:
+    leaves = {id(p): p.detach().requires_grad_(True) for p in params}
+    swapped = []
+    try:
+        for loc in plan.block_locations[index]:
+            current = loc.module._parameters[loc.name]
+            if id(current) in leaves:
+                swapped.append((loc.module, loc.name, current))
+                loc.module._parameters[loc.name] = leaves[id(current)]
+        yield [leaves[id(p)] for p in params]
+    finally:
+        for module, name, current in reversed(swapped):
+            module._parameters[name] = current
 
 
 @_profiled("pareprop::chunked")
