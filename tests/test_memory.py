@@ -75,7 +75,8 @@ def test_auto_chunking_plans_the_lowest_peak_and_largest_batch_passes_it_on():
         assert auto.peak <= other.peak * 1.01
     best, reports = largest_batch("rev_vit_tiny_patch4_32", "reversible", whole.peak,
                                   chunk_bytes="auto", **kw)
-    assert best > 8 and all(r.chunk_bytes is not None for r in reports)
+    assert best > 8 and any(r.chunk_bytes is not None for r in reports)
+    assert largest_batch("rev_vit_tiny_patch4_32", "reversible", whole.peak, **kw)[0] == 8
     with pytest.raises(ValueError, match="chunk_bytes"):
         plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", chunk_bytes="auto", **kw)
 
