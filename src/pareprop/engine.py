@@ -1168,8 +1168,8 @@ class ReversibleStack(nn.Module):
         block and input shape). Branches that declare no split run whole; with neither
         argument every branch runs whole again. Gradients are unchanged; see NOTE [ Chunked
         backward ]."""
+        # The measured chunk costs stay: they depend on the blocks and the input, not on this.
         self.chunking = parse_chunking(chunks, max_bytes)
-        self._chunk_costs = {}
         return self
 
     def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
