@@ -55,6 +55,10 @@ class ViTConfig:
     proj_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     engine: str = "reversible"
+    # True (the published Rev-ViT): LayerNorm(2C) on every token, then the mean over tokens.
+    # False: the mean first, then LayerNorm(2C) (pareprop's placement before the published
+    # weights were loadable; kept for checkpoints trained that way).
+    norm_before_pool: bool = True
     mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
     std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
 
@@ -127,7 +131,8 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.num_features = 2 * cfg.embed_dim
-        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0, fixed_input_size=True)
+        # The published evaluation transform: resize to 256 (bicubic), centre crop 224.
+        self._set_image_pretrained_cfg(crop_pct=0.875 if H >= 224 else 1.0, fixed_input_size=True)
 
         self.patch_embed = PatchEmbed(
             cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
@@ -155,7 +160,11 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.feature_info = [
             {"num_chs": 2 * cfg.embed_dim, "reduction": cfg.patch_size, "module": "stack"}
         ]
-        self.fc_norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        # timm's names: ``norm`` acts on every token, ``fc_norm`` on the pooled features; the
+        # one not in use is an identity (NOTE [ Published Rev-ViT head ] below).
+        final_norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        self.norm = final_norm if cfg.norm_before_pool else nn.Identity()
+        self.fc_norm = nn.Identity() if cfg.norm_before_pool else final_norm
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
         self._init_weights()
@@ -179,12 +188,23 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` to the stack's output tokens ``(B, N, 2 * embed_dim)``."""
+    # NOTE [ Published Rev-ViT head ]
+    # PySlowFast's Rev-ViT (and mmpretrain's port of it) normalises every token of the 2C-wide
+    # stack output with LayerNorm(2C, eps 1e-6) and then averages the tokens; the two do not
+    # commute (LayerNorm is not linear), so the published weights only reproduce their logits
+    # with this order. As in timm's VisionTransformer, ``forward_features`` ends with ``norm``
+    # and ``forward_head`` pools, then applies ``fc_norm`` (an identity here unless
+    # ``norm_before_pool=False``).
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
         x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
         x1, x2 = self.stack(x, x)
         return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` to the normalised output tokens ``(B, N, 2 * embed_dim)``."""
+        return self.norm(self._tokens(x))
 
     def forward_intermediates(
         self,
@@ -198,13 +218,15 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         """timm's ``forward_intermediates`` with one feature, the stack's end, as a map.
 
         ``indices`` selects that one feature (None, 1, ``[0]`` or ``[-1]``); a block inside
-        the stack raises, as its output is never kept. ``norm`` applies ``fc_norm`` per token.
-        ``stop_early`` changes nothing (there is nothing after the stack's end).
+        the stack raises, as its output is never kept. ``norm`` applies the final LayerNorm per
+        token. ``stop_early`` changes nothing (there is nothing after the stack's end).
         """
         check_output_fmt(output_fmt)
         take, _ = feature_take_indices(1, indices)
-        tokens = self.forward_features(x)  # (B, N, 2C)
-        y = self.fc_norm(tokens) if norm else tokens
+        raw = self._tokens(x)  # (B, N, 2C)
+        tokens = self.norm(raw)
+        final_norm = self.fc_norm if isinstance(self.norm, nn.Identity) else self.norm
+        y = final_norm(raw) if norm else raw
         y = y.reshape(y.shape[0], *self.grid_size, y.shape[-1])  # (B, H', W', 2C)
         features = [y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y] * len(
             take
@@ -222,6 +244,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         if prune_head:
             self.reset_classifier(0)
         if prune_norm:
+            self.norm = nn.Identity()
             self.fc_norm = nn.Identity()
         return take
 
