@@ -19,6 +19,7 @@ from pareprop.memory import (
     plan_memory,
 )
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
+from pareprop.pretrained import PretrainedError, load_pretrained
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,6 @@ __all__ = [
     "register_model",
     "load_model",
     "CheckpointError",
+    "load_pretrained",
+    "PretrainedError",
 ]

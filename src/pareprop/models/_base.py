@@ -128,7 +128,7 @@ class ClassifierMixin:
         """timm's description of the model's input and classifier (``default_cfg`` is timm's
         older name for it); ``extra`` keys go between the statistics and ``classifier``."""
         self.pretrained_cfg: Dict[str, Any] = {
-            "url": "",  # pareprop ships no weights
+            "url": "",  # set for models with published weights (pareprop.pretrained)
             "hf_hub_id": None,
             "input_size": input_size,
             "num_classes": self.num_classes,
@@ -139,6 +139,13 @@ class ClassifierMixin:
             "classifier": "head",
         }
         self.default_cfg = self.pretrained_cfg
+
+    def load_pretrained(self, path: Any) -> Any:
+        """Load published or pareprop weights from ``path`` (``pareprop.load_pretrained``);
+        timm calls this for ``pretrained=True`` (``pretrained_cfg["custom_load"]``)."""
+        from pareprop.pretrained import load_pretrained
+
+        return load_pretrained(self, path)  # type: ignore[arg-type]
 
     def _replace_head(self, num_classes: int, **head_kwargs: Any) -> None:
         """A fresh :func:`make_head` for ``num_classes``, recorded everywhere the class count is

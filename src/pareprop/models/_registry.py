@@ -28,8 +28,8 @@ __all__ = ["register_model", "create_model", "list_models", "is_model", "model_s
 
 _MODEL_FACTORIES: Dict[str, Callable[..., nn.Module]] = {}
 
-# Keywords timm's create_model passes to every factory; they describe pretrained weights, of
-# which pareprop ships none.
+# Keywords timm's create_model passes to every factory; they say where pretrained weights come
+# from (pareprop.pretrained.load_published).
 _TIMM_KEYWORDS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 
 
@@ -54,13 +54,7 @@ def register_model(
         out_indices: Any = None,
         **overrides: Any,
     ) -> nn.Module:
-        for key in _TIMM_KEYWORDS:
-            overrides.pop(key, None)
-        if pretrained:
-            raise ValueError(
-                f"pareprop ships no pretrained weights for {name!r}; "
-                "create it with pretrained=False and train it, or load a pareprop checkpoint"
-            )
+        timm_kw = {key: overrides.pop(key, None) for key in _TIMM_KEYWORDS}
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"expected a floating torch.dtype for dtype, got {dtype!r}")
         if device is None:
@@ -68,6 +62,12 @@ def register_model(
         else:
             with torch.device(device):
                 model = fn(**overrides)
+        from pareprop.pretrained import load_published, published_cfg
+
+        if isinstance(getattr(model, "pretrained_cfg", None), dict):
+            model.pretrained_cfg.update(published_cfg(name))
+        if pretrained:
+            load_published(model, name, **timm_kw)
         if dtype is not None:
             model.to(dtype=dtype)
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).

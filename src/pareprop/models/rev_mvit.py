@@ -60,6 +60,7 @@ __all__ = [
     "RevMViTv1Block",
     "RevMViTv1Transition",
     "REV_MVIT_CONFIGS",
+    "checkpoint_filter_fn",
 ]
 
 
@@ -370,6 +371,53 @@ def _block_paths(plans: List[_Stage]) -> List[str]:
         for j, i in enumerate(p.reversible):
             paths[i] = f"stages.{s}.stack.blocks.{j}"
     return [paths[i] for i in sorted(paths)]
+
+
+def checkpoint_filter_fn(
+    state_dict: Dict[str, torch.Tensor], model: RevMViTv1
+) -> Dict[str, torch.Tensor]:
+    """Map PySlowFast's Rev-MViT state dict onto ``model``'s names.
+
+    ``rev_backbone.layers.{i}`` becomes block ``i``'s module (:meth:`RevMViTv1.block_paths`);
+    inside it ``F.norm -> norm1``, ``F.attn -> attn``, ``G.norm -> norm2``, ``G.mlp -> mlp``,
+    ``pre_q_fuse.fuse_fn -> fuse``; ``head.projection -> head``. The pooling convolutions are
+    stored as Conv3d over one frame, ``(hd, 1, 1, k, k)``, and lose that axis. Keys of no known
+    layout are passed through, so that the strict check names them.
+    """
+    from pareprop.pretrained import PretrainedError, detect_layout
+
+    layout = detect_layout(state_dict)
+    if layout == "pareprop":
+        return state_dict
+    if layout != "pyslowfast":
+        raise PretrainedError(
+            f"Rev-MViT-B weights are published by PySlowFast only; got a {layout} file"
+        )
+    paths = model.block_paths()
+    renames = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp.",
+               "pre_q_fuse.fuse_fn.": "fuse."}
+    prefix = "rev_backbone.layers."
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        new = key
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            if not i.isdigit() or int(i) >= len(paths):
+                raise PretrainedError(
+                    f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
+                    "create it with the file's depth"
+                )
+            for old, ours in renames.items():
+                if rest.startswith(old):
+                    rest = ours + rest[len(old):]
+                    break
+            new = f"{paths[int(i)]}.{rest}"
+        elif key.startswith("head.projection."):
+            new = "head." + key[len("head.projection."):]
+        if value.ndim == 5 and value.shape[2] == 1:
+            value = value.squeeze(2)  # Conv3d over one frame -> Conv2d
+        out[new] = value
+    return out
 
 
 # fmt: off

@@ -179,6 +179,15 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {"pos_embed"}
 
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the stem, each block,
+        then the final norms and the head."""
+        return {
+            "stem": r"^pos_embed|^patch_embed",
+            "blocks": [(r"^stack\.blocks\.(\d+)", None), (r"^norm|^fc_norm", (99999,))],
+        }
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):
@@ -255,6 +264,73 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: RevViT) -> Dict[str, torch.Tensor]:
+    """Map a published Rev-ViT state dict (PySlowFast's or mmpretrain's) onto ``model``'s names.
+
+    PySlowFast: ``rev_backbone.layers.{i}.F.norm / F.attn.{q,k,v,proj} / G.norm / G.mlp.*``,
+    ``norm`` (2C), ``head.projection``. mmpretrain: ``backbone.layers.{i}.ln1 / attn.qkv /
+    attn.proj / ln2 / ffn.layers.0.0 / ffn.layers.1``, ``backbone.ln1`` (2C), ``head.fc``,
+    and a position embedding that may carry an unused class-token slot first. Separate q, k,
+    v maps are stacked into ``qkv`` (same product, one matmul). Keys of no known layout are
+    passed through, so that the strict check names them.
+    """
+    from pareprop.pretrained import PretrainedError, detect_layout
+
+    layout = detect_layout(state_dict)
+    if layout == "pareprop":
+        return state_dict
+    if not model.cfg.norm_before_pool:
+        raise PretrainedError(
+            "the published Rev-ViT normalises every token before the mean: create the model "
+            "with norm_before_pool=True (the default) to load its weights"
+        )
+    if layout == "pyslowfast":
+        block = {"F.norm": "norm1", "F.attn": "attn", "G.norm": "norm2", "G.mlp": "mlp"}
+        top = {"norm": "norm", "head.projection": "head"}
+        prefix = "rev_backbone.layers."
+    else:
+        block = {"ln1": "norm1", "attn": "attn", "ln2": "norm2",
+                 "ffn.layers.0.0": "mlp.fc1", "ffn.layers.1": "mlp.fc2"}
+        top = {"backbone.ln1": "norm", "head.fc": "head",
+               "backbone.patch_embed.projection": "patch_embed.proj",
+               "backbone.pos_embed": "pos_embed"}
+        prefix = "backbone.layers."
+    out: Dict[str, torch.Tensor] = {}
+    qkv: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        if key == "backbone.cls_token":
+            continue  # mmpretrain keeps a class token the reversible model never uses
+        new = key
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            for old, ours in block.items():
+                if rest.startswith(old + "."):
+                    rest = ours + rest[len(old):]
+                    break
+            new = f"stack.blocks.{i}.{rest}"
+            part = rest.split(".")
+            if len(part) == 3 and part[0] == "attn" and part[1] in ("q", "k", "v"):
+                qkv.setdefault(f"stack.blocks.{i}.attn.qkv.{part[2]}", {})[part[1]] = value
+                continue
+        else:
+            for old, ours in top.items():
+                if key.startswith(old + ".") or key == old:
+                    new = ours + key[len(old):]
+                    break
+        out[new] = value
+    for key, parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise PretrainedError(f"incomplete attention in the file: {key} has only {sorted(parts)}")
+        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    pos = out.get("pos_embed")
+    if pos is not None and pos.ndim == 3 and pos.shape[1] == model.pos_embed.shape[1] + 1:
+        out["pos_embed"] = pos[:, 1:]  # the class-token slot mmpretrain's conversion adds
+    w = out.get("patch_embed.proj.weight")
+    if w is not None and w.ndim == 5 and w.shape[2] == 1:
+        out["patch_embed.proj.weight"] = w.squeeze(2)  # a 3-D patch convolution of one frame
+    return out
 
 
 # fmt: off
