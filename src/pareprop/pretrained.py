@@ -107,7 +107,7 @@ def _torch_load(path: str) -> Any:
                 "tensors, numbers, strings and plain containers. If you trust the file, "
                 "extract its state dict yourself and save it with safetensors or torch.save"
             ) from None
-        if isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in text:
+        if isinstance(e, (EOFError, OSError, zipfile.BadZipFile)) or "zip archive" in text:
             raise PretrainedError(
                 f"cannot read {path!r}: the file is truncated or corrupted "
                 f"({type(e).__name__}: {text.splitlines()[0] if text else 'end of file'}); "

@@ -34,7 +34,7 @@ from pareprop.models._base import (
 from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
 
-__all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS"]
+__all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS", "checkpoint_filter_fn"]
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,9 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: RevViT) -> Dict[str, torch.Tensor]:
+def checkpoint_filter_fn(
+    state_dict: Dict[str, torch.Tensor], model: RevViT
+) -> Dict[str, torch.Tensor]:
     """Map a published Rev-ViT state dict (PySlowFast's or mmpretrain's) onto ``model``'s names.
 
     PySlowFast: ``rev_backbone.layers.{i}.F.norm / F.attn.{q,k,v,proj} / G.norm / G.mlp.*``,
@@ -322,7 +324,9 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: RevViT) -> 
         out[new] = value
     for key, parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
-            raise PretrainedError(f"incomplete attention in the file: {key} has only {sorted(parts)}")
+            raise PretrainedError(
+                f"incomplete attention in the file: {key} has only {sorted(parts)}"
+            )
         out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
     pos = out.get("pos_embed")
     if pos is not None and pos.ndim == 3 and pos.shape[1] == model.pos_embed.shape[1] + 1:
