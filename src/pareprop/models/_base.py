@@ -32,6 +32,7 @@ __all__ = [
     "init_linears_",
     "init_weights_",
     "make_head",
+    "stage_group_matcher",
 ]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -44,6 +45,20 @@ def drop_path_rates(rate: float, depth: int) -> List[float]:
     Plain floats rather than ``torch.linspace`` so that meta-device builds work.
     """
     return [rate * i / max(depth - 1, 1) for i in range(depth)]
+
+
+def stage_group_matcher(coarse: bool, stem: str) -> Dict[str, Any]:
+    """timm's ``group_matcher`` for models of ``stages.{s}.transition`` and
+    ``stages.{s}.stack.blocks.{j}``: the stem, each block in depth order (the transition before
+    its stage's stack), then the final norm (the head falls last, unmatched). ``coarse``
+    groups whole stages."""
+    blocks: List[Tuple[str, Any]] = [
+        (r"^stages\.(\d+)\.transition", (-1,)),
+        (r"^stages\.(\d+)\.stack\.blocks\.(\d+)", None),
+    ]
+    if coarse:
+        blocks = [(r"^stages\.(\d+)", None)]
+    return {"stem": stem, "blocks": [*blocks, (r"^norm", (99999,))]}
 
 
 def init_linear_(m: nn.Linear, truncated: bool = True) -> None:

@@ -49,6 +49,7 @@ from pareprop.models._base import (
     drop_path_rates,
     init_linears_,
     make_head,
+    stage_group_matcher,
 )
 from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
@@ -323,13 +324,7 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """timm's parameter groups (for layer-wise learning-rate decay): the stem, then each
         block in depth order (a transition before its stage's stack), then the head."""
-        blocks = [
-            (r"^stages\.(\d+)\.transition", (-1,)),
-            (r"^stages\.(\d+)\.stack\.blocks\.(\d+)", None),
-        ]
-        if coarse:
-            blocks = [(r"^stages\.(\d+)", None)]
-        return {"stem": r"^pos_embed|^patch_embed", "blocks": [*blocks, (r"^norm", (99999,))]}
+        return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
