@@ -13,6 +13,8 @@ from pareprop.testing import engine_errors
 # Tiny float64 backbones with a stride-4 stem (MViTv2 ``_tiny``: 4x4 patches; Swin: patch 4).
 TINY = {
     "rev_mvitv2_tiny": dict(embed_dim=8, num_heads=1, img_size=64, drop_path_rate=0.2),
+    "rev_mvit_base": dict(embed_dim=8, img_size=64, depth=7, transition_blocks=(1, 3, 5),
+                          drop_path_rate=0.2),
     "rev_swin_tiny": dict(
         embed_dim=8,
         depths=(1, 1, 2, 1),

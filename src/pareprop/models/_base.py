@@ -50,7 +50,8 @@ def drop_path_rates(rate: float, depth: int) -> List[float]:
 def stage_group_matcher(coarse: bool, stem: str) -> Dict[str, Any]:
     """timm's ``group_matcher`` for models of ``stages.{s}.transition`` and
     ``stages.{s}.stack.blocks.{j}``: the stem, each block in depth order (the transition before
-    its stage's stack), then the final norm (the head falls last, unmatched). ``coarse``
+    its stage's stack; the final norm joins the last block's group), then the head (last,
+    unmatched). ``coarse``
     groups whole stages."""
     blocks: List[Tuple[str, Any]] = [
         (r"^stages\.(\d+)\.transition", (-1,)),

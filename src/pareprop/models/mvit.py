@@ -416,7 +416,8 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """timm's parameter groups (layer-wise learning-rate decay): the stem, each block in
-        depth order (a transition before its stage's stack), then the norm and the head."""
+        depth order (a transition before its stage's stack), then the head
+        (timm puts the final norm in the last block's group)."""
         return stage_group_matcher(coarse, r"^patch_embed")
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:

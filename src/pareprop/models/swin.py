@@ -366,7 +366,8 @@ class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
 
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """timm's parameter groups (layer-wise learning-rate decay): the stem, then per stage
-        its patch merging, its blocks and its stream fusion, then the norm and the head."""
+        its patch merging, its blocks and its stream fusion, then the head
+        (timm puts the final norm in the last block's group)."""
         if coarse:
             return {"stem": r"^patch_embed", "blocks": [(r"^stages\.(\d+)", None),
                                                          (r"^norm", (99999,))]}

@@ -328,7 +328,8 @@ class _TextModel(ClassifierMixin, nn.Module):
 
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """timm's parameter groups (layer-wise learning-rate decay): the embeddings, each
-        block, then the norm and the head."""
+        block, then the head
+        (timm puts the final norm in the last block's group)."""
         return {
             "stem": r"^embeddings",
             "blocks": [(r"^blocks\.blocks\.(\d+)", None), (r"^norm", (99999,))],

@@ -182,7 +182,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """timm's parameter groups (layer-wise learning-rate decay): the stem, each block,
-        then the final norms and the head."""
+        then the head (timm puts the final norm in the last block's group)."""
         return {
             "stem": r"^pos_embed|^patch_embed",
             "blocks": [(r"^stack\.blocks\.(\d+)", None), (r"^norm|^fc_norm", (99999,))],
