@@ -42,7 +42,8 @@ def _model(family, engine):
     torch.manual_seed(0)
     model = pareprop.create_model(name, engine=engine, drop_path_rate=0.0, **kwargs)
     model = model.double().train()
-    if family in ("mvit", "rev_mvit"):  # the key norm's bias has an exact zero gradient (see test_mvit.py)
+    # The key norm's bias has an exact zero gradient (see test_mvit.py).
+    if family in ("mvit", "rev_mvit"):
         for n, p in model.named_parameters():
             p.requires_grad_(not n.endswith("norm_k.bias"))
     return model
