@@ -65,6 +65,15 @@ def test_eval_logits_equal_under_every_engine(engine):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_memory_budget_keeps_gradients_exact():
+    torch.manual_seed(0)
+    model = _tiny(drop_path_rate=0.0)
+    (x,) = model.example_inputs(2, dtype=torch.float64)
+    plan = pareprop.set_memory_budget(model, 0.5, x, cost="flops")
+    assert 0 < plan.num_stored < 5
+    _check(model, x)
+
+
 def test_published_sizes():
     model = pareprop.create_model("rev_mvit_base", device="meta")
     assert sum(p.numel() for p in model.parameters()) == 39_689_320  # 39.7M as published
