@@ -3,6 +3,8 @@ factory gives layer-wise learning-rate factors, and the initial weights keep a f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from timm.models import group_parameters
@@ -85,3 +87,48 @@ def test_initial_weights_keep_a_fresh_head(tmp_path):
     assert torch.equal(model.pos_embed, state["pos_embed"])
     with pytest.raises(pareprop.PretrainedError, match="no published weights"):
         load_initial_weights(pareprop.create_model("rev_vit_tiny_patch4_32"))
+
+
+DIGITS = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=32, depth=2, num_heads=2)
+
+
+def _digits_file(tmp_path):
+    from test_pretrained import _slowfast_file, slowfast_vit_state
+
+    # A published-layout file at digits size, with a 1000-class head like the real ones.
+    state = slowfast_vit_state(C=32, depth=2, patch=2, img=8, classes=1000, chans=1)
+    return _slowfast_file(tmp_path / "REV_VIT_digits.pyth", state), state
+
+
+def test_trainer_starts_from_the_file_with_a_fresh_head(tmp_path):
+    from pareprop.trainer import TrainConfig, Trainer
+
+    path, state = _digits_file(tmp_path)
+    cfg = TrainConfig(model="rev_vit_base_patch16_224", model_kwargs=dict(DIGITS),
+                      dataset="digits", pretrained_file=str(path), layer_decay=0.75,
+                      epochs=1, max_steps=1, out=str(tmp_path / "run"), progress=False)
+    trainer = Trainer(cfg)
+    model = trainer.model
+    assert model.head.out_features == 10
+    assert torch.equal(model.pos_embed, state["pos_embed"])
+    assert torch.equal(model.norm.weight, state["norm.weight"])
+    qkv = torch.cat([state[f"rev_backbone.layers.1.F.attn.{n}.weight"] for n in "qkv"])
+    assert torch.equal(model.stack.blocks[1].attn.qkv.weight, qkv)
+    scales = sorted({g["lr_scale"] for g in trainer.optimizer.param_groups})
+    assert scales[-1] == 1.0 and scales[0] == pytest.approx(0.75**3)
+
+
+def test_cli_fine_tunes_from_a_file_on_digits(tmp_path):
+    import json
+
+    from pareprop.cli import main as cli
+
+    path, _ = _digits_file(tmp_path)
+    args = [f"--model-arg={k}={v}" for k, v in DIGITS.items()]
+    rc = cli(["train", "--model", "rev_vit_base_patch16_224", *args, "--dataset", "digits",
+              "--pretrained-file", str(path), "--num-classes", "10", "--layer-decay", "0.75",
+              "--epochs", "1", "--max-steps", "2", "--out", str(tmp_path / "run"),
+              "--no-progress"])
+    assert rc == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records and all(math.isfinite(r.get("train_loss", 0.0)) for r in records)

@@ -50,9 +50,9 @@ class _Maker:
         self.sd[name + ".bias"] = self.rand(out, scale=0.1)
 
 
-def slowfast_vit_state(C=16, depth=3, patch=8, img=32, classes=5, seed=0):
+def slowfast_vit_state(C=16, depth=3, patch=8, img=32, classes=5, seed=0, chans=3):
     m = _Maker(seed)
-    m.sd["patch_embed.proj.weight"] = m.rand(C, 3, patch, patch, scale=0.1)
+    m.sd["patch_embed.proj.weight"] = m.rand(C, chans, patch, patch, scale=0.1)
     m.sd["patch_embed.proj.bias"] = m.rand(C, scale=0.1)
     m.sd["pos_embed"] = m.rand(1, (img // patch) ** 2, C, scale=0.2)
     for i in range(depth):

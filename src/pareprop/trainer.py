@@ -109,6 +109,12 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
+    # Fine-tuning (pareprop.finetune): start from the published weights (pretrained) or a
+    # local file (pretrained_file), with a fresh head when the class counts differ; layer_decay
+    # scales block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
+    pretrained: bool = False
+    pretrained_file: Optional[str] = None
+    layer_decay: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_MODES:
@@ -314,6 +320,10 @@ class Trainer:
         model = probe.to(self.device)
         if self.resume is not None:
             ckpt_lib.load_weights(model, self.resume)
+        elif cfg.pretrained or cfg.pretrained_file:
+            from pareprop.finetune import load_initial_weights
+
+            load_initial_weights(model, cfg.pretrained_file, name)
         self.memory_plan = None
         if self.resume is None and cfg.memory_budget is not None:
             self.memory_plan = self._apply_memory_budget(model)
@@ -366,9 +376,16 @@ class Trainer:
             self.net = dist_lib.shard(model)
         else:
             self.net = dist_lib.wrap_ddp(model, self.device)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
-        )
+        if cfg.layer_decay is None:
+            self.optimizer = torch.optim.AdamW(
+                param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
+            )
+        else:
+            from pareprop.finetune import create_finetune_optimizer
+
+            self.optimizer = create_finetune_optimizer(
+                model, cfg.lr, cfg.weight_decay, cfg.layer_decay, betas=(0.9, 0.999)
+            )
         from timm.scheduler import CosineLRScheduler
 
         warmup = int(round(cfg.warmup_epochs * self.steps_per_epoch))
