@@ -456,6 +456,9 @@ def test_truncated_foreign_and_missing_files(files, tmp_path):
         pareprop.load_pretrained(_vit(), text)
     with pytest.raises(PretrainedError, match="no weight file"):
         pareprop.load_pretrained(_vit(), tmp_path / "absent.pth")
+    wrapped = {"model_state": {"module." + k: v for k, v in files["slowfast_vit"][1].items()}}
+    torch.save(wrapped, tmp_path / "ddp.pyth")  # saved from a DDP wrapper: still loads
+    assert pareprop.load_pretrained(_vit(), tmp_path / "ddp.pyth").layout == "pyslowfast"
     torch.save([1, 2, 3], tmp_path / "list.pth")
     with pytest.raises(PretrainedError, match="holds no state dict"):
         pareprop.load_pretrained(_vit(), tmp_path / "list.pth")

@@ -170,6 +170,8 @@ def _unwrap(obj: Any, path: str) -> StateDict:
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise PretrainedError(f"{path!r} is not a state dict: entry {bad[0]!r} is not a tensor")
+    if all(k.startswith("module.") for k in obj):  # saved from a DataParallel/DDP wrapper
+        return {k[len("module."):]: v for k, v in obj.items()}
     return dict(obj)
 
 
