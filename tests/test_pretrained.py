@@ -11,6 +11,7 @@ share nothing with pareprop's modules.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -504,3 +505,21 @@ def test_published_table_matches_the_registry():
         params = sum(p.numel() for p in model.parameters()) / 1e6
         assert math.isclose(round(params, 1), pub.params_m), (name, params)
         assert model.pretrained_cfg["url"] == pub.url and pub.url.startswith("https://")
+
+
+def test_a_checkpoint_of_the_earlier_vit_head_still_loads(tmp_path):
+    from pareprop.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    old = pareprop.create_model("rev_vit_tiny_patch4_32", depth=2, norm_before_pool=False)
+    folder = save_checkpoint(tmp_path / "run", old, epoch=1, step=1)
+    # As written before the option existed: the spec does not name it.
+    meta = json.loads((pathlib.Path(folder) / "model.json").read_text())
+    assert meta["model"]["kwargs"] == {"depth": 2, "norm_before_pool": False}
+    meta["model"]["kwargs"] = {"depth": 2}
+    (pathlib.Path(folder) / "model.json").write_text(json.dumps(meta))
+    assert load_checkpoint(folder).meta["model"]["kwargs"]["norm_before_pool"] is False
+    model = pareprop.load_model(folder).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), old.eval()(x), rtol=0, atol=0)
