@@ -111,25 +111,23 @@ def _check_config(cfg: RevMViTv1Config) -> None:
 
 @dataclass(frozen=True)
 class _Stage:
+    """Derived layout of one stage: its transition block (if any) and reversible blocks."""
+
     transition: int | None
     reversible: List[int]
-    width: int
+    width: int  # of the stage's blocks (2C of the previous stage's streams)
     num_heads: int
     kv_stride: int
-    in_size: Tuple[int, int]
-    size: Tuple[int, int]
 
 
-def _plan(cfg: RevMViTv1Config, grid: Tuple[int, int]) -> List[_Stage]:
+def _plan(cfg: RevMViTv1Config) -> List[_Stage]:
     starts = [0, *cfg.transition_blocks]
     ends = [*cfg.transition_blocks, cfg.depth]
-    plans, width, size = [], cfg.embed_dim, grid
+    plans, width = [], cfg.embed_dim
     for s, (a, b) in enumerate(zip(starts, ends)):
-        in_size = size
         transition = a if s > 0 else None
         if transition is not None:
             width *= 2  # the previous stack's two streams side by side
-            size = ((size[0] + 1) // 2, (size[1] + 1) // 2)  # kernel 3, stride 2, padding 1
         plans.append(
             _Stage(
                 transition=transition,
@@ -137,8 +135,6 @@ def _plan(cfg: RevMViTv1Config, grid: Tuple[int, int]) -> List[_Stage]:
                 width=width,
                 num_heads=cfg.num_heads * 2**s,
                 kv_stride=max(cfg.kv_stride // 2**s, 1),
-                in_size=in_size,
-                size=size,
             )
         )
     return plans
@@ -259,7 +255,7 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
             raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
         self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], cfg.embed_dim))
 
-        plans = _plan(cfg, grid)
+        plans = _plan(cfg)
         self.num_stages = len(plans)
         dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
