@@ -18,6 +18,11 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
+from timm.data import create_transform, resolve_data_config
+from torchvision.datasets import ImageFolder
+from tqdm.auto import tqdm
+
+from pareprop.engine import ReversibleStack, set_engine
 
 __all__ = ["evaluate", "eval_loader"]
 
@@ -26,9 +31,6 @@ def eval_loader(
     model: nn.Module, data_dir: str, batch_size: int = 64, workers: int = 2
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over ``data_dir`` (an ImageFolder) with ``model``'s evaluation transform."""
-    from timm.data import create_transform, resolve_data_config
-    from torchvision.datasets import ImageFolder
-
     if not os.path.isdir(data_dir):
         raise ValueError(f"expected --data-dir to be a folder of class folders, got {data_dir!r}")
     config = resolve_data_config({}, model=model)
@@ -66,14 +68,9 @@ def evaluate(
     Returns:
         ``{"top1", "top5", "images", "classes", "engine", "amp", "seconds", "data_config"}``.
     """
-    from timm.data import resolve_data_config
-    from tqdm.auto import tqdm
-
     if amp not in ("none", "bf16"):
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     if engine is not None:
-        from pareprop.engine import set_engine
-
         set_engine(model, engine)
     loader = eval_loader(model, data_dir, batch_size, workers)
     classes = len(loader.dataset.classes)
@@ -125,8 +122,6 @@ def evaluate(
 
 
 def _engine_of(model: nn.Module) -> Optional[str]:
-    from pareprop.engine import ReversibleStack
-
     for m in model.modules():
         if isinstance(m, ReversibleStack):
             return m.engine

@@ -15,6 +15,8 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
+from timm.models._hub import download_cached_file
+from timm.optim import create_optimizer_v2
 
 from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pretrained
 
@@ -42,8 +44,6 @@ def load_initial_weights(
                 f"no published weights for {name!r} (published: {', '.join(PUBLISHED)}); "
                 "pass a local file instead"
             )
-        from timm.models._hub import download_cached_file
-
         try:
             path = download_cached_file(PUBLISHED[name].url, check_hash=False, progress=True)
         except OSError as e:
@@ -74,8 +74,6 @@ def create_finetune_optimizer(
         opt: timm optimizer name.
         **kwargs: passed to ``create_optimizer_v2`` (betas, eps, ...).
     """
-    from timm.optim import create_optimizer_v2
-
     if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
         raise ValueError(f"expected layer_decay in (0, 1], got {layer_decay}")
     if layer_decay is not None and not hasattr(model, "group_matcher"):

@@ -56,6 +56,7 @@ from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
 from pareprop.engine import ENGINES
+from pareprop.finetune import create_finetune_optimizer, load_initial_weights
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
 
@@ -319,8 +320,6 @@ class Trainer:
         if self.resume is not None:
             ckpt_lib.load_weights(model, self.resume)
         elif cfg.pretrained or cfg.pretrained_file:
-            from pareprop.finetune import load_initial_weights
-
             load_initial_weights(model, cfg.pretrained_file, name)
         self.memory_plan = None
         if self.resume is None and cfg.memory_budget is not None:
@@ -377,8 +376,6 @@ class Trainer:
                 param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
             )
         else:
-            from pareprop.finetune import create_finetune_optimizer
-
             self.optimizer = create_finetune_optimizer(
                 model, cfg.lr, cfg.weight_decay, cfg.layer_decay, betas=(0.9, 0.999)
             )

@@ -17,12 +17,16 @@ import os
 import sys
 from typing import Optional, Sequence
 
+import pareprop
+from pareprop.checkpoint import META, CheckpointError
+from pareprop.cli.train import _parse_model_args
+from pareprop.engine import ENGINES
+from pareprop.evaluate import evaluate
+
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pareprop.engine import ENGINES
-
     p = argparse.ArgumentParser(
         prog="pareprop eval",
         description="Top-1/top-5 accuracy on an ImageFolder with the model's own evaluation "
@@ -53,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_pareprop_checkpoint(path: str) -> bool:
-    from pareprop.checkpoint import META
-
     return os.path.isdir(path) and (
         os.path.exists(os.path.join(path, META)) or os.path.exists(os.path.join(path, "last"))
     )
@@ -62,9 +64,6 @@ def _is_pareprop_checkpoint(path: str) -> bool:
 
 def build_model(args: argparse.Namespace):
     """The model ``args`` describe, with its weights."""
-    import pareprop
-    from pareprop.cli.train import _parse_model_args
-
     kwargs = _parse_model_args(args.model_args)
     if args.checkpoint and _is_pareprop_checkpoint(args.checkpoint):
         return pareprop.load_model(args.checkpoint, **kwargs)
@@ -78,9 +77,6 @@ def build_model(args: argparse.Namespace):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pareprop.checkpoint import CheckpointError
-    from pareprop.evaluate import evaluate
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

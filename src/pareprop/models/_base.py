@@ -17,6 +17,7 @@ import torch.nn as nn
 from timm.layers import trunc_normal_
 
 from pareprop.engine import set_engine as _set_engine
+from pareprop.models.published import PretrainedError, load_weights_file
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -157,11 +158,18 @@ class ClassifierMixin:
         self.default_cfg = self.pretrained_cfg
 
     def load_pretrained(self, path: Any) -> Any:
-        """Load published or pareprop weights from ``path`` (``pareprop.load_pretrained``);
-        timm calls this for ``pretrained=True`` (``pretrained_cfg["custom_load"]``)."""
-        from pareprop.pretrained import load_pretrained
+        """Load a published or pareprop weight file from ``path``; timm calls this for
+        ``pretrained=True`` (``pretrained_cfg["custom_load"]``). ``pareprop.load_pretrained``
+        also takes checkpoint directories."""
+        return load_weights_file(self, path)  # type: ignore[arg-type]
 
-        return load_pretrained(self, path)  # type: ignore[arg-type]
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Map a published state dict onto this model's names (families with published
+        weights override this with their ``checkpoint_filter_fn``)."""
+        raise PretrainedError(
+            f"published weights exist only for Rev-ViT and Rev-MViT-B; {type(self).__name__} "
+            "loads pareprop checkpoints only"
+        )
 
     def _replace_head(self, num_classes: int, **head_kwargs: Any) -> None:
         """A fresh :func:`make_head` for ``num_classes``, recorded everywhere the class count is

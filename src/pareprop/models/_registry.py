@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from pareprop.models._features import StageFeatureNet
+from pareprop.models.published import load_published, published_cfg
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec",
            "unknown_model_message"]
@@ -65,8 +66,6 @@ def register_model(
         else:
             with torch.device(device):
                 model = fn(**overrides)
-        from pareprop.pretrained import load_published, published_cfg
-
         if isinstance(getattr(model, "pretrained_cfg", None), dict):
             model.pretrained_cfg.update(published_cfg(name))
         if pretrained:

@@ -40,8 +40,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Mlp, trunc_normal_
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import PatchEmbed, check_image, to_2tuple_int
-from pareprop.layers._config import make_config
+from pareprop.layers import PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
 from pareprop.models._base import (
@@ -54,6 +53,7 @@ from pareprop.models._base import (
 from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 from pareprop.models.mvit import MViTStage
+from pareprop.models.published import PretrainedError, detect_layout
 
 __all__ = [
     "RevMViTv1Config",
@@ -353,6 +353,10 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
+        return checkpoint_filter_fn(state, self)
+
 
 def _block_paths(plans: List[_Stage]) -> List[str]:
     paths: Dict[int, str] = {}
@@ -375,8 +379,6 @@ def checkpoint_filter_fn(
     stored as Conv3d over one frame, ``(hd, 1, 1, k, k)``, and lose that axis. Keys of no known
     layout are passed through, so that the strict check names them.
     """
-    from pareprop.pretrained import PretrainedError, detect_layout
-
     layout = detect_layout(state_dict)
     if layout == "pareprop":
         return state_dict

@@ -32,6 +32,7 @@ from pareprop.models._base import (
 )
 from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
+from pareprop.models.published import PretrainedError, detect_layout
 
 __all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS", "checkpoint_filter_fn"]
 
@@ -264,6 +265,10 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
+        return checkpoint_filter_fn(state, self)
+
 
 def checkpoint_filter_fn(
     state_dict: Dict[str, torch.Tensor], model: RevViT
@@ -277,8 +282,6 @@ def checkpoint_filter_fn(
     v maps are stacked into ``qkv`` (same product, one matmul). Keys of no known layout are
     passed through, so that the strict check names them.
     """
-    from pareprop.pretrained import PretrainedError, detect_layout
-
     layout = detect_layout(state_dict)
     if layout == "pareprop":
         return state_dict
