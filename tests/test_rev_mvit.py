@@ -132,6 +132,16 @@ def test_timm_interface():
     assert model.no_weight_decay() == {"pos_embed"}
 
 
+def test_catalog_depth_grows_the_deepest_stage():
+    from pareprop.catalog import depth_overrides
+
+    cfg = pareprop.create_model("rev_mvit_base", device="meta").cfg
+    assert depth_overrides(cfg, 20) == {"depth": 20, "transition_blocks": (1, 3, 18)}
+    assert depth_overrides(cfg, 7) == {"depth": 7, "transition_blocks": (1, 3, 5)}
+    with pytest.raises(ValueError, match="at least 7"):
+        depth_overrides(cfg, 6)
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="transition_blocks"):
         pareprop.create_model("rev_mvit_base", depth=4, transition_blocks=(2, 3))
