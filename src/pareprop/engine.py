@@ -875,7 +875,7 @@ class ReversibleStack(nn.Module):
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
-        x1, x2 = _full_precision_streams(x1, x2)
+        x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             for block in self.blocks:
                 # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
@@ -975,15 +975,25 @@ def _check_streams(x1: Tensor, x2: Tensor) -> None:
         )
 
 
-def _full_precision_streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _full_precision_streams(
+    x1: Tensor, x2: Tensor, blocks: Iterable[nn.Module]
+) -> Tuple[Tensor, Tensor]:
     # NOTE [ Streams in float32 under autocast ]
     # Inversion subtracts F and G from the streams; rounding the streams themselves to 8 bits
     # of mantissa would lose far more than F and G's own low precision. So under autocast the
     # streams are float32 (the sums X + F(X) promote to it) while F and G compute in the
     # autocast dtype. An input that arrives in low precision (from a conv or linear under
-    # autocast) is widened here.
-    if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_state(x1.device.type)[0]:
-        return x1.float(), x2.float()
+    # autocast) is widened here. Not when the weights themselves are in low precision
+    # (create_model(..., dtype=torch.bfloat16)): the norms would then meet float32 inputs with
+    # bfloat16 weights, which CPU kernels refuse, and such a model is low precision throughout
+    # anyway, so its streams stay in the weights' dtype, as in timm's models.
+    if x1.dtype in _LOW_PRECISION and _autocast_state(x1.device.type)[0]:
+        weight = next((p for b in blocks for p in b.parameters() if p.is_floating_point()), None)
+        if weight is None or weight.dtype not in _LOW_PRECISION:
+            return x1.float(), x2.float()
     return x1, x2
 
 
