@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Subset
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
 from pareprop import rundir
+from pareprop.checkpoint import atomic_write
 from pareprop.data import build_datasets, epoch_sampler
 
 __all__ = [
@@ -784,8 +785,7 @@ class Trainer:
                     ck.epoch,
                     ck.meta.get("metrics") or None,
                 )
-            with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
+            _write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
 
         self._on_first_process(claim, cfg.out)
 
@@ -812,14 +812,16 @@ class Trainer:
         cfg = self.cfg
         if cfg.eval_only:
             return self._evaluate_checkpoint()
-        if self.resume is not None and self.epoch >= cfg.epochs:
-            self._log(
-                f"{cfg.out}: the run has done all its {cfg.epochs} epochs, nothing to train; "
-                f"pass --epochs above {cfg.epochs} to train longer"
-            )
-            return self._summary(self.epoch, time.perf_counter(), {})
         try:
+            # Claimed even when nothing is left to train: a run killed after its last save
+            # gets that epoch's metrics line back (NOTE [ Run directories ]).
             self._claim_run_dir()
+            if self.resume is not None and self.epoch >= cfg.epochs:
+                self._log(
+                    f"{cfg.out}: the run has done all its {cfg.epochs} epochs, nothing to "
+                    f"train; pass --epochs above {cfg.epochs} to train longer"
+                )
+                return self._summary(self.epoch, time.perf_counter(), {})
             return self._train_epochs()
         except KeyboardInterrupt:
             raise TrainingInterrupted(self._interrupted()) from None
@@ -904,6 +906,17 @@ class Trainer:
             "peak_mem_mb": _peak_mem_mb(self.device),
             "out": self.cfg.out,
         }
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Write ``path`` atomically: a kill leaves the old file or the new one, never half."""
+    text = json.dumps(value, indent=2)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
 
 
 def _given_fields(cfg: TrainConfig) -> set:
