@@ -129,7 +129,7 @@ class RunLock:
         self._fd: Optional[int] = None
 
     def acquire(self) -> "RunLock":
-        import fcntl
+        import fcntl  # POSIX only: importing it at the top would break `import pareprop` on Windows
 
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -155,7 +155,7 @@ class RunLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        import fcntl
+        import fcntl  # POSIX only (see acquire)
 
         try:
             os.remove(self.path)
