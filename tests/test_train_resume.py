@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -93,8 +94,14 @@ def test_eval_only_scores_with_the_runs_own_split(full, capsys):
 
 def test_resume_from_an_older_checkpoint_needs_a_new_directory(tmp_path, capsys):
     out = tmp_path / "run"
-    assert _train("--epochs", "2", "--lr", "0.05", "--out", str(out)) == 0
-    older = sorted((out / "checkpoints").iterdir())[0]
+    assert _train("--epochs", "2", "--stop-after-epochs", "1", "--out", str(out)) == 0
+    first = os.path.realpath(out / "last")
+    shutil.copytree(first, tmp_path / "kept")
+    assert main(["--resume", str(out), "--no-progress"]) == 0
+    # An older checkpoint still in the run (as 'best' keeps one when a later epoch is worse).
+    older = out / "checkpoints" / os.path.basename(first)
+    if not older.exists():
+        shutil.copytree(tmp_path / "kept", older)
     assert main(["--resume", str(older), "--no-progress"]) == 2
     assert "not the last checkpoint" in capsys.readouterr().err
     fork = tmp_path / "fork"
