@@ -1,6 +1,8 @@
 """State of the forward that recomputation must see again, or refuse to guess: each module's
 train/eval flag, and the keyword tensors of a stack. Float64 parity with plain autograd."""
 
+import re
+
 import pytest
 import torch
 
@@ -92,7 +94,9 @@ def _text_model():
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_keyword_tensor_refilled_between_forward_and_backward_is_refused(engine):
+def test_text_mask_buffer_refilled_between_forward_and_backward(engine):
+    # The issue's case: today's code gave 8e-3 relative error. The text model now keeps its
+    # own copy of the mask, so the reversible engines agree with autograd.
     model = _text_model()
     ids = torch.randint(2, 50, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 12, dtype=torch.bool)  # .bool() of it is the very same tensor
@@ -104,23 +108,52 @@ def test_keyword_tensor_refilled_between_forward_and_backward_is_refused(engine)
         mask.fill_(True)  # a reused buffer, refilled for the next batch
         mask[2, :3] = False
         second = m(ids, mask)
-        return (first.square().sum() + second.square().sum())
+        return first.square().sum() + second.square().sum()
 
     model.train()
     reference = _grads(pareprop.set_engine(model, "autograd"), torch.zeros(1), two_forwards)
-    pareprop.set_engine(model, engine)
-    # Right or refused: today's code returned a gradient 8e-3 off (relative).
-    with pytest.raises(RuntimeError, match="keyword input 'attn_mask'.*modified in place"):
-        _grads(model, torch.zeros(1), two_forwards)
-    # Unchanged keyword tensors still give autograd's gradients.
-
-    def two_masks(m, _):
-        a = torch.ones(3, 12, dtype=torch.bool)
-        a[1, 8:] = False
-        b = torch.ones(3, 12, dtype=torch.bool)
-        b[2, :3] = False
-        return m(ids, a).square().sum() + m(ids, b).square().sum()
-
-    reference = _grads(pareprop.set_engine(model, "autograd"), torch.zeros(1), two_masks)
-    grads = _grads(pareprop.set_engine(model, engine), torch.zeros(1), two_masks)
+    grads = _grads(pareprop.set_engine(model, engine), torch.zeros(1), two_forwards)
     assert _worst(grads, reference) < TOL
+
+
+class _ScaledBlock(pareprop.ReversibleBlock):
+    def __init__(self):
+        super().__init__()
+        self.f_lin, self.g_lin = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def f(self, x, scale=None, extra=None):
+        scale = extra["tensors"][0] if extra is not None else scale
+        return torch.tanh(self.f_lin(x)) * scale
+
+    def g(self, x, scale=None, extra=None):
+        scale = extra["tensors"][0] if extra is not None else scale
+        return torch.tanh(self.g_lin(x)) * scale
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("nested", [False, True])
+def test_keyword_tensor_changed_in_place_is_refused(engine, nested):
+    torch.manual_seed(0)
+    stack = pareprop.ReversibleStack([_ScaledBlock() for _ in range(3)], engine=engine)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run(scale):
+        # A tensor inside a container is checked too.
+        kwargs = {"extra": {"tensors": [scale]}} if nested else {"scale": scale}
+        y1, y2 = stack(x, x, **kwargs)
+        return y1.sum() + y2.sum()
+
+    scale = torch.full((4,), 2.0)
+    loss = run(scale)
+    scale.mul_(3)  # changed before backward: recomputation would use the new values
+    name = "extra['tensors'][0]" if nested else "scale"
+    with pytest.raises(RuntimeError, match=re.escape(f"keyword input {name!r}")):
+        loss.backward()
+    # Unchanged keyword tensors give autograd's gradients.
+    grads = {}
+    for engine_name in ("autograd", engine):
+        stack.set_engine(engine_name)
+        x.grad = None
+        run(torch.full((4,), 2.0)).backward()
+        grads[engine_name] = x.grad.clone()
+    assert relative_error(grads[engine], grads["autograd"]) < TOL
