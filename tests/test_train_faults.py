@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -28,19 +29,22 @@ RUN = ["--epochs", "3", "--batch-size", "512", "--no-progress",
        *[f"--model-arg={k}={v}" for k, v in TINY.items()]]
 
 
-def _child(argv, kill_at):
+def _child(argv, kill_at, pause_at=None):
     torch.set_num_threads(1)
-    if kill_at is not None:
-        name, n = kill_at
+    for point, act in ((kill_at, lambda: os.kill(os.getpid(), signal.SIGKILL)),
+                       (pause_at, lambda: time.sleep(4))):
+        if point is None:
+            continue
+        name, n = point
         real, calls = getattr(ckpt_lib, name), [0]
 
-        def dies_on_call_n(*args, **kwargs):
+        def on_call_n(*args, real=real, calls=calls, n=n, act=act, **kwargs):
             calls[0] += 1
             if calls[0] == n:
-                os.kill(os.getpid(), signal.SIGKILL)
+                act()
             return real(*args, **kwargs)
 
-        setattr(ckpt_lib, name, dies_on_call_n)
+        setattr(ckpt_lib, name, on_call_n)
     from pareprop.cli.train import main
 
     os._exit(main(argv))
@@ -122,3 +126,24 @@ def test_killed_runs_resume_to_the_uninterrupted_result(tmp_path):
     kept = {os.path.realpath(os.path.join(out, t)) for t in ("last", "best")}
     left = os.listdir(os.path.join(out, "checkpoints"))
     assert {os.path.realpath(os.path.join(out, "checkpoints", n)) for n in left} == kept
+
+
+def test_a_second_process_is_refused_while_a_run_writes(tmp_path, capsys):
+    from pareprop.cli.train import main
+
+    out = str(tmp_path / "run")
+    # The first run pauses inside its first save, holding its run directory.
+    first = multiprocessing.get_context("fork").Process(
+        target=_child, args=(RUN + ["--out", out], None, ("_prune", 1)))
+    first.start()
+    deadline = time.monotonic() + 120
+    while not os.path.lexists(os.path.join(out, "last")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.is_alive()
+    assert main(["--resume", out, "--no-progress"]) == 2
+    assert main(RUN + ["--out", out, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"another process (pid {first.pid}) is writing") == 2, err
+    first.join(300)
+    assert first.exitcode == 0
+    assert [r["epoch"] for r in _epochs(out)] == [1, 2, 3]
