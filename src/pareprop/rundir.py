@@ -109,7 +109,13 @@ def check_new_run_dir(out: str, overwrite: bool) -> None:
 def clear_run_dir(out: str) -> List[str]:
     """Delete the files a previous run wrote into ``out`` (:data:`RUN_ENTRIES` only)."""
     removed = []
-    for name in RUN_ENTRIES:
+    # Temporary files of writes a kill cut short (atomic_write's ".NAME.*.tmp", and
+    # continue_metrics' "metrics.jsonl.PID.tmp") belong to the run too.
+    leftovers = [
+        e for e in os.listdir(out)
+        if e.endswith(".tmp") and any(e.startswith((f".{n}.", f"{n}.")) for n in RUN_ENTRIES)
+    ]
+    for name in [*RUN_ENTRIES, *sorted(leftovers)]:
         path = os.path.join(out, name)
         if os.path.islink(path) or os.path.isfile(path):
             os.remove(path)
