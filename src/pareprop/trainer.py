@@ -55,8 +55,13 @@ from torch.utils.data import DataLoader, Subset
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
 from pareprop import rundir
+from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.checkpoint import atomic_write
+from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
+from pareprop.engine import ENGINES
+from pareprop.fsdp import fsdp_available
+from pareprop.models import create_model
 
 __all__ = [
     "TrainConfig", "Trainer", "train", "NonFiniteLossError", "TrainingInterrupted", "param_groups"
@@ -134,8 +139,6 @@ class TrainConfig:
                 "checked against sharded gradients; use --amp bf16 (it needs no scaler)"
             )
         if self.memory_budget is not None:
-            from pareprop.budget import parse_budget
-
             parse_budget(self.memory_budget)  # refuse a bad budget before anything runs
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
@@ -359,8 +362,6 @@ class Trainer:
 
     def _setup_device(self) -> None:
         """The device, the engine name, autocast, and what --fsdp needs."""
-        from pareprop.engine import ENGINES
-
         cfg = self.cfg
         self.device = _resolve_device(cfg.device, self.dist.local_rank)
         if cfg.engine not in ENGINES:
@@ -377,8 +378,6 @@ class Trainer:
     def _build_model(self) -> nn.Module:
         """The data sets and the model: from the checkpoint's spec (and weights) when resuming,
         else from the config, with as many classes as the data has."""
-        from pareprop.models import create_model
-
         cfg, resume = self.cfg, self.resume
         if resume is not None:
             name, kwargs = resume.meta["model"]["name"], dict(resume.meta["model"]["kwargs"])
@@ -415,8 +414,6 @@ class Trainer:
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
         if cfg.compile:
-            from pareprop.compile import compile_blocks
-
             compile_blocks(model)
         # Each process draws its own augmentation and dropout; process 0 matches a
         # single-process run of the same seed.
@@ -488,8 +485,6 @@ class Trainer:
         run, under the run's autocast. Costs are FLOPs, not timings, so every process and every
         rerun of the same config chooses the same blocks; a resumed run takes the stored blocks
         recorded in its checkpoint instead, so it computes exactly what the first run did."""
-        from pareprop.budget import parse_budget, set_memory_budget
-
         if self.cfg.engine == "autograd":
             raise ValueError(
                 "--memory-budget chooses blocks for the reversible engines to store; with "
@@ -946,8 +941,6 @@ def _check_is_last(ck: ckpt_lib.Checkpoint, out: str) -> None:
 
 
 def _check_fsdp(dist: dist_lib.DistInfo) -> None:
-    from pareprop.fsdp import fsdp_available
-
     if not dist.active:
         raise ValueError(
             "--fsdp shards the model over the processes of a torchrun job, and this is "

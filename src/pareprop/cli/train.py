@@ -13,7 +13,16 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from pareprop.trainer import AMP_MODES, PRESETS, TrainConfig
+from pareprop.checkpoint import CheckpointError
+from pareprop.data import DatasetNotFoundError
+from pareprop.trainer import (
+    AMP_MODES,
+    PRESETS,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingInterrupted,
+    train,
+)
 
 __all__ = ["main", "build_parser", "resolve_config"]
 
@@ -180,10 +189,6 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pareprop.checkpoint import CheckpointError
-    from pareprop.data import DatasetNotFoundError
-    from pareprop.trainer import NonFiniteLossError, TrainingInterrupted, train
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg, given = resolve_options(argv)
