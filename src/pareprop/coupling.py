@@ -60,6 +60,8 @@ def set_coupling(model: nn.Module, alpha: float, beta: float) -> nn.Module:
             stack.store_blocks(())
     if hasattr(model, "coupling"):
         model.coupling = (alpha, beta)
+    if isinstance(getattr(model, "model_kwargs", None), dict):
+        model.model_kwargs["coupling"] = [alpha, beta]  # a checkpoint rebuilds it here
     if guard is not None:
         guard.invalidate()
     return model

@@ -109,8 +109,16 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
+    # Fine-tune a timm ViT converted to a reversible coupling (pareprop.finetune).
+    convert_from: Optional[str] = None
+    pretrained_file: Optional[str] = None
+    coupling_schedule: str = "cosine"
+    coupling_steps: Optional[int] = None  # None: one epoch
 
     def __post_init__(self) -> None:
+        from pareprop.finetune import apply_convert_options
+
+        apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum"):
@@ -382,6 +390,9 @@ class Trainer:
             t_in_epochs=False,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+        from pareprop.finetune import make_coupling_schedule
+
+        self.coupling = make_coupling_schedule(cfg, model, self.steps_per_epoch)
 
         self.epoch, self.step = 0, 0
         self.best = {"val_acc": -1.0, "epoch": 0}
@@ -442,6 +453,8 @@ class Trainer:
             self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
+        if self.coupling is not None and "coupling" in st:
+            self.coupling.load_state_dict(st["coupling"])
         self.epoch, self.step = int(st["epoch"]), int(st["step"])
         self.best = dict(st["best"])
         self.last_checkpoint = ck.path
@@ -476,6 +489,7 @@ class Trainer:
             "optimizer_layout": layout,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            **({"coupling": self.coupling.state_dict()} if self.coupling is not None else {}),
             "epoch": self.epoch,
             "step": self.step,
             "best": dict(self.best),
@@ -583,6 +597,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.scheduler.step_update(num_updates=self.step)
+            if self.coupling is not None:
+                self.coupling.step()
             self.step_losses.append(loss.item())
             rate = seen * self.dist.world_size / (time.perf_counter() - t0)
             bar.set_postfix(

@@ -30,8 +30,11 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.models._base import ReversibleModelMixin, make_head
 from pareprop.models._features import check_output_fmt
+from pareprop.models._registry import register_model
 
-__all__ = ["ConvertedViT", "ConvertedBlock", "UnsupportedModelError", "check_convertible"]
+__all__ = [
+    "ConvertedViT", "ConvertedBlock", "UnsupportedModelError", "check_convertible", "converted_vit"
+]
 
 
 class UnsupportedModelError(ValueError):
@@ -163,6 +166,10 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
             setattr(self, name, getattr(source, name))
         self.num_features = self.embed_dim  # head_hidden_size: the mixin's property
         self.pretrained_cfg: Dict[str, Any] = dict(getattr(source, "pretrained_cfg", {}) or {})
+        # What this model takes and predicts, which timm's cfg of the name need not say (a
+        # model built with img_size=8 keeps the cfg of its 224-pixel namesake).
+        self.pretrained_cfg.update(input_size=(self.in_chans, *source.patch_embed.img_size),
+                                   num_classes=self.num_classes)
         self.default_cfg = self.pretrained_cfg
         self.source_architecture = self.pretrained_cfg.get("architecture", type(source).__name__)
         self.feature_info = [{"num_chs": self.embed_dim, "module": "stack",
@@ -277,3 +284,58 @@ def _our_names(state_dict, prefix, local_metadata, strict, missing_keys, unexpec
     for key in list(state_dict):
         value = state_dict.pop(key)
         state_dict[prefix + _OURS + key[len(timms):] if key.startswith(timms) else key] = value
+
+
+# -- a named model, so create_model, checkpoints and the trainer can build one ---------------
+
+@register_model(timm=False)
+def converted_vit(
+    source: str = "vit_small_patch16_224",
+    pretrained_file: Optional[str] = None,
+    engine: str = "reversible",
+    coupling: Sequence[float] = (1.0, 0.0),
+    tolerance: Optional[float] = 1e-3,
+    **timm_kwargs: Any,
+) -> ConvertedViT:
+    """timm's ``source`` ViT (``timm.create_model(source, **timm_kwargs)``), converted.
+
+    ``pretrained_file``: timm weights to start from (see :func:`load_timm_weights`).
+    ``coupling``: (alpha, beta) to start at; :func:`pareprop.set_coupling` records a new one
+    here, so a checkpoint rebuilds the model at the coupling it was saved at.
+    ``tolerance``: of the precision guard (None: no guard).
+    """
+    import timm
+
+    from pareprop.convert import convert
+    from pareprop.coupling import set_coupling
+
+    vit = timm.create_model(source, **timm_kwargs)
+    if pretrained_file is not None:
+        load_timm_weights(vit, pretrained_file)
+    model = convert(vit, engine=engine, tolerance=tolerance)
+    alpha, beta = (float(c) for c in coupling)
+    if (alpha, beta) != (1.0, 0.0):
+        set_coupling(model, alpha, beta)
+    return model
+
+
+def load_timm_weights(model: VisionTransformer, path: str) -> None:
+    """Load timm ViT weights from ``path`` (safetensors, or a torch file read with
+    weights_only=True) through timm's own ViT checkpoint filter (which adapts other layouts
+    and resamples position embeddings). A classifier of another class count is left out: the
+    model keeps its fresh head. Every other tensor must match."""
+    from timm.models import load_state_dict
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    state = checkpoint_filter_fn(load_state_dict(path), model)
+    own = model.state_dict()
+    head = [k for k in ("head.weight", "head.bias")
+            if k in state and k in own and state[k].shape != own[k].shape]
+    for key in head:
+        del state[key]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) != set(head):
+        raise ValueError(
+            f"{path!r} does not fit {type(model).__name__}: missing "
+            f"{sorted(set(missing) - set(head))}, unexpected {sorted(unexpected)}"
+        )
