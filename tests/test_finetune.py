@@ -89,3 +89,19 @@ def test_cli_flags(tmp_path, capsys):
     assert "not a timm model name" in capsys.readouterr().err
     assert main(["--pretrained-file", "x.safetensors", "--out", str(tmp_path)]) == 2
     assert "goes with --convert-from" in capsys.readouterr().err
+
+
+def test_memory_budget_with_convert_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="precision guard chooses"):
+        TrainConfig(convert_from=SOURCE, memory_budget=0.5, out=str(tmp_path))
+
+
+def test_a_converted_model_can_be_planned():
+    # plan_memory builds by name on fake tensors: the guard cannot measure there (None).
+    plans = {}
+    for coupling in ((1.0, 0.0), (0.0, 1.0)):
+        plans[coupling] = pareprop.plan_memory(
+            "converted_vit", 2, "reversible", device="cpu", source=SOURCE, depth=2,
+            img_size=32, num_classes=10, tolerance=None, coupling=coupling)
+    # every block stored at (1, 0), none at (0, 1)
+    assert plans[(0.0, 1.0)].peak < plans[(1.0, 0.0)].peak

@@ -33,6 +33,11 @@ def apply_convert_options(cfg: Any) -> None:
         if cfg.pretrained_file is not None:
             raise ValueError("--pretrained-file goes with --convert-from NAME (a timm ViT)")
         return
+    if cfg.memory_budget is not None:
+        raise ValueError(
+            "--memory-budget with --convert-from is not supported: the precision guard chooses "
+            "the stored blocks of a converted model while its skip scale is small (docs/convert.md)"
+        )
     import timm
 
     if not timm.is_model(cfg.convert_from):
