@@ -39,8 +39,8 @@ GIB = 2**30
 
 # -- errors ----------------------------------------------------------------------------------
 
-def errors(depths=(4, 8, 12), betas=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0), width=192, heads=3,
-           batch=8, seed=0) -> List[Dict[str, Any]]:
+def errors(depths=(4, 8, 12), betas=(0.1, 0.25, 0.5, 0.75, 1.0), width=96, heads=2,
+           batch=4, seed=0) -> List[Dict[str, Any]]:
     rows = []
     for amp in ("float32", "bfloat16"):
         for depth in depths:

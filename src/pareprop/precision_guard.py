@@ -200,6 +200,13 @@ class PrecisionGuard:
             self._steps[index] += 1
             if not self._due(index, stack):
                 return None
+            if stack._sharding is not None:
+                raise RuntimeError(
+                    "the precision guard cannot measure an FSDP-sharded stack (its blocks' "
+                    "parameters are gathered only inside their own forward); build the model "
+                    "with tolerance=None (--model-arg tolerance=null) and keep beta where the "
+                    "drift report shows it safe, or train without --fsdp"
+                )
             x1, x2 = args[0], args[1]
             self.measure(index, stack, x1, x2, kwargs)
             return None
