@@ -111,3 +111,11 @@ def test_bad_arguments():
         pareprop.PrecisionGuard(model, tolerance=0)
     with pytest.raises(ValueError, match="beta >= 0"):
         pareprop.set_coupling(model, 1.0, -0.5)
+
+
+def test_a_sharded_stack_is_refused_with_the_way_out():
+    model = pareprop.convert(_source(depth=2))
+    pareprop.set_coupling(model, 0.5, 0.5)
+    model.stack._sharding = object()  # what pareprop.fsdp.shard sets
+    with pytest.raises(RuntimeError, match="tolerance=None"):
+        model.train()(_images())
