@@ -60,12 +60,20 @@ def errors(depths=(4, 8, 12), betas=(0.1, 0.25, 0.5, 0.75, 1.0), width=96, heads
                     tokens = model.norm_pre(model._pos_embed(model.patch_embed(x)))
                     _, stored = measure_rebuild_errors(model.stack, tokens, tokens, 1e-3)
                 rebuilt = [e for e in report.reconstruction["reversible"] if e == e]
+                guarded = float("nan")
+                if stored:  # the same step with the blocks the guard stores
+                    model.stack.store_blocks(stored)
+                    guarded = pareprop.drift_report(
+                        model, x, amp_dtype=amp_dtype, reference_dtype=torch.float64,
+                        engines=("reversible",)).grad_error["reversible"]
+                    model.stack.store_blocks([])
                 rows.append(dict(
                     amp=amp, depth=depth, beta=beta,
                     rebuilt_worst=max(rebuilt) if rebuilt else float("nan"),
                     grad_autograd=report.grad_error["autograd"],
                     grad_reversible=report.grad_error["reversible"],
                     guard_stored=len(stored),
+                    grad_reversible_guarded=guarded if stored else report.grad_error["reversible"],
                 ))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -73,12 +81,13 @@ def errors(depths=(4, 8, 12), betas=(0.1, 0.25, 0.5, 0.75, 1.0), width=96, heads
 
 def errors_table(rows: List[Dict[str, Any]]) -> str:
     lines = ["| autocast | depth | beta | worst rebuilt input | grad error autograd | "
-             "grad error reversible (unguarded) | blocks the guard stores |",
-             "|---|---|---|---|---|---|---|"]
+             "grad error reversible, unguarded | blocks the guard stores | "
+             "grad error reversible, guarded |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['amp']} | {r['depth']} | {r['beta']:g} | {r['rebuilt_worst']:.1e} | "
                      f"{r['grad_autograd']:.1e} | {r['grad_reversible']:.1e} | "
-                     f"{r['guard_stored']} of {r['depth']} |")
+                     f"{r['guard_stored']} of {r['depth']} | "
+                     f"{r['grad_reversible_guarded']:.1e} |")
     return "\n".join(lines)
 
 
@@ -94,13 +103,16 @@ def errors_plot(rows: List[Dict[str, Any]], path: str) -> None:
         for depth in sorted({r["depth"] for r in sub}):
             line = [r for r in sub if r["depth"] == depth]
             p = ax.plot([r["beta"] for r in line], [r["grad_reversible"] for r in line],
-                        marker="o", label=f"reversible, depth {depth}")
+                        marker="o", label=f"reversible, unguarded, depth {depth}")
+            ax.plot([r["beta"] for r in line], [r["grad_reversible_guarded"] for r in line],
+                    marker="x", ls=":", color=p[0].get_color(),
+                    label=f"reversible, guarded, depth {depth}")
             ax.plot([r["beta"] for r in line], [r["grad_autograd"] for r in line], ls="--",
                     color=p[0].get_color(), alpha=0.6, label=f"autograd, depth {depth}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("skip scale beta (alpha = 1 - beta)")
-        ax.set_title(f"{amp}: gradient error vs float64 autograd, unguarded")
+        ax.set_title(f"{amp}: gradient error vs float64 autograd")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("relative error of all parameter gradients")
     axes[1].legend(fontsize=7)

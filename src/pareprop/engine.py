@@ -104,8 +104,8 @@ class ReversibleBlock(nn.Module):
 # nothing; a block without the buffer has beta = 1 and runs exactly the unscaled coupling, with
 # no extra kernel. The two helpers below are the only places the engines apply it. Rebuilding
 # divides by beta, so rounding errors grow like (1 / beta)^(2 per block): the reversible engines
-# refuse beta = 0 in a recomputed block, and pareprop.coupling stores the blocks whose measured
-# reconstruction error is too large (docs/convert.md).
+# refuse beta = 0 in a recomputed block, and pareprop.PrecisionGuard stores the blocks whose
+# measured reconstruction error is too large (docs/convert.md).
 
 
 def skip_scale(block: nn.Module) -> Optional[Tensor]:
@@ -931,7 +931,7 @@ def _forward_betas(blocks: Sequence[nn.Module], stored: Sequence[bool]):
             raise ValueError(
                 f"block {index} ({type(block).__name__}) has skip scale beta = 0, which the "
                 "reversible engines cannot invert (they divide by beta); store the block "
-                "(stack.store_blocks, or pareprop.guard_coupling) or use engine='autograd'"
+                "(stack.store_blocks, or pareprop.PrecisionGuard) or use engine='autograd'"
             )
         betas.append(None if beta is None else (beta, beta._version))
     return betas
