@@ -178,3 +178,13 @@ def test_activation_memory_is_flat_in_depth_at_zero_one():
         assert model.stack.stored_blocks == ()
         kept.append(pareprop.activation_bytes(model, x))
     assert kept[0] == kept[1]
+
+
+def test_stack_keeps_what_rev_vit_keeps_at_zero_one():
+    # At (0, 1) the converted stack keeps exactly what Rev-ViT's stack keeps: its two outputs.
+    x = torch.randn(2, 17, 16)
+    model = pareprop.convert(_timm(depth=4)).train()
+    pareprop.set_coupling(model, 0.0, 1.0)
+    rev = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=16, depth=4, num_heads=2)
+    kept = [pareprop.activation_bytes(m.stack, x, x) for m in (model, rev.train())]
+    assert kept[0] == kept[1] == 2 * x.numel() * x.element_size()
