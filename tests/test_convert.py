@@ -188,3 +188,33 @@ def test_stack_keeps_what_rev_vit_keeps_at_zero_one():
     rev = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=16, depth=4, num_heads=2)
     kept = [pareprop.activation_bytes(m.stack, x, x) for m in (model, rev.train())]
     assert kept[0] == kept[1] == 2 * x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("name", [
+    "vit_small_patch16_224", "deit3_small_patch16_224", "vit_small_patch14_reg4_dinov2",
+    "vit_medium_patch16_gap_256", "vit_base_patch32_clip_224", "vit_base_patch16_siglip_224",
+])
+def test_timm_named_configs_are_exact_at_one_zero(name):
+    # timm's own configurations (DeiT-III layer scale, DINOv2 registers, mean pooling, CLIP
+    # pre-norm and quick-GELU, SigLIP attention pooling), two blocks deep, 32x32 input.
+    import timm
+
+    torch.manual_seed(0)
+    source = timm.create_model(name, pretrained=False, depth=2, img_size=32, num_classes=7)
+    model = pareprop.convert(copy.deepcopy(source.eval()), engine="autograd").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("vit_small_patch16_18x2_224", "in parallel"),
+    ("vit_base_patch16_rpn_224", "post-norm"),
+    ("deit_small_distilled_patch16_224", "subclasses"),
+])
+def test_timm_named_configs_that_are_refused(name, reason):
+    import timm
+
+    source = timm.create_model(name, pretrained=False, depth=2, img_size=32, num_classes=7)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        pareprop.convert(source)
