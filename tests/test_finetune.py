@@ -67,6 +67,10 @@ def test_trainer_steps_the_schedule_and_checkpoints_the_coupling(tmp_path):
     loaded = load_model(tmp_path / "run" / "last")
     assert pareprop.coupling_of(loaded) == pytest.approx((alpha, beta))
     assert load_checkpoint(tmp_path / "run" / "last").train_state["coupling"]["step_count"] == 2
+    # --eval-only evaluates at the coupling the model was trained at, not the schedule's start
+    evaluator = Trainer(_cfg(tmp_path / "eval", path, resume=str(tmp_path / "run" / "last"),
+                             eval_only=True))
+    assert pareprop.coupling_of(evaluator.model) == pytest.approx((alpha, beta))
 
 
 def test_resume_through_the_schedule_is_exact(tmp_path):

@@ -78,11 +78,12 @@ class CouplingSchedule:
 
     ``kind``: ``"linear"`` (t = s / steps), ``"cosine"`` (t = (1 - cos(pi s / steps)) / 2) or
     ``"reversible"`` (Re2TAL: (0, 1) from the first step; ``steps`` is ignored). alpha = 1 - t,
-    beta = t. Construction sets the step-0 coupling; the trainer calls :meth:`step` after each
-    optimizer step. ``state_dict``/``load_state_dict`` resume it.
+    beta = t. Construction sets the step-0 coupling (unless ``apply=False``); the trainer calls
+    :meth:`step` after each optimizer step. ``state_dict``/``load_state_dict`` resume it.
     """
 
-    def __init__(self, model: nn.Module, kind: str = "cosine", steps: int = 1000):
+    def __init__(self, model: nn.Module, kind: str = "cosine", steps: int = 1000,
+                 apply: bool = True):
         if kind not in SCHEDULES:
             raise ValueError(f"unknown coupling schedule {kind!r}; expected one of {SCHEDULES}")
         if kind != "reversible" and int(steps) < 1:
@@ -90,7 +91,8 @@ class CouplingSchedule:
         _coupled_blocks(model)
         self.model, self.kind, self.steps = model, kind, max(int(steps), 1)
         self.step_count = 0
-        self._apply()
+        if apply:  # False: keep the model's coupling (a resumed run loads the schedule's state)
+            self._apply()
 
     def progress(self, step: int) -> float:
         if self.kind == "reversible":

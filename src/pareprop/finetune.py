@@ -56,4 +56,6 @@ def make_coupling_schedule(cfg: Any, model: nn.Module,
     if getattr(model, "model_name", None) != CONVERTED_MODEL:
         return None
     steps = cfg.coupling_steps if cfg.coupling_steps is not None else steps_per_epoch
-    return CouplingSchedule(model, cfg.coupling_schedule, steps)
+    # A run from a checkpoint keeps the coupling the model was saved at (model.json): resuming
+    # loads the schedule's state, and --eval-only evaluates the model as it was trained.
+    return CouplingSchedule(model, cfg.coupling_schedule, steps, apply=cfg.resume is None)
