@@ -119,3 +119,13 @@ def test_a_sharded_stack_is_refused_with_the_way_out():
     model.stack._sharding = object()  # what pareprop.fsdp.shard sets
     with pytest.raises(RuntimeError, match="tolerance=None"):
         model.train()(_images())
+
+
+def test_a_copied_model_has_its_own_guard():
+    model = pareprop.convert(_source(depth=2))
+    pareprop.set_coupling(model, 0.5, 0.5)
+    twin = copy.deepcopy(model)
+    assert twin.precision_guard is not model.precision_guard
+    assert twin.precision_guard.stacks[0] is twin.stack
+    twin.train()(_images())
+    assert twin.precision_guard.measurements == 1 and model.precision_guard.measurements == 0

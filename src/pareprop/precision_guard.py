@@ -131,6 +131,18 @@ def _coupling_of(stack: ReversibleStack) -> Tuple[float, float]:
     return getattr(block, "_alpha_value", 1.0), _beta_value(block)
 
 
+class _Hook:
+    """The stack's forward pre-hook: an object, not a closure, so that ``copy.deepcopy`` of a
+    guarded model hooks its copy to the copied guard."""
+
+    def __init__(self, guard: "PrecisionGuard", index: int):
+        self.guard, self.index = guard, index
+
+    def __call__(self, stack: ReversibleStack, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+        self.guard._before_forward(self.index, stack, args, kwargs)
+        return None
+
+
 class PrecisionGuard:
     """Stores, per reversible stack of ``model``, the blocks whose rebuilt inputs would be off
     by more than ``tolerance`` (relative error) at the current coupling, measured on the
@@ -166,7 +178,7 @@ class PrecisionGuard:
         self._steps = [0] * len(self.stacks)
         self.measurements = 0
         self._handles = [
-            s.register_forward_pre_hook(self._make_hook(i), with_kwargs=True)
+            s.register_forward_pre_hook(_Hook(self, i), with_kwargs=True)
             for i, s in enumerate(self.stacks)
         ]
         model.precision_guard = self
@@ -193,25 +205,21 @@ class PrecisionGuard:
         return (beta < last[1] or abs(beta - last[1]) > self.beta_step
                 or abs(alpha - last[0]) > self.beta_step)
 
-    def _make_hook(self, index: int):
-        def hook(stack: ReversibleStack, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-            if not (stack.training and torch.is_grad_enabled()) or stack.engine == "autograd":
-                return None
-            self._steps[index] += 1
-            if not self._due(index, stack):
-                return None
-            if stack._sharding is not None:
-                raise RuntimeError(
-                    "the precision guard cannot measure an FSDP-sharded stack (its blocks' "
-                    "parameters are gathered only inside their own forward); build the model "
-                    "with tolerance=None (--model-arg tolerance=null) and keep beta where the "
-                    "drift report shows it safe, or train without --fsdp"
-                )
-            x1, x2 = args[0], args[1]
-            self.measure(index, stack, x1, x2, kwargs)
-            return None
-
-        return hook
+    def _before_forward(self, index: int, stack: ReversibleStack, args: Tuple[Any, ...],
+                        kwargs: Dict[str, Any]) -> None:
+        if not (stack.training and torch.is_grad_enabled()) or stack.engine == "autograd":
+            return
+        self._steps[index] += 1
+        if not self._due(index, stack):
+            return
+        if stack._sharding is not None:
+            raise RuntimeError(
+                "the precision guard cannot measure an FSDP-sharded stack (its blocks' "
+                "parameters are gathered only inside their own forward); build the model "
+                "with tolerance=None (--model-arg tolerance=null) and keep beta where the "
+                "drift report shows it safe, or train without --fsdp"
+            )
+        self.measure(index, stack, args[0], args[1], kwargs)
 
     def measure(self, index: int, stack: ReversibleStack, x1: Tensor, x2: Tensor,
                 kwargs: Dict[str, Any]) -> GuardReport:
