@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import pareprop
-from pareprop import bench
+import pareprop.testing
+from pareprop import bench, catalog
 from pareprop.cli import bench as cli
 from pareprop.engine import ReversibleBlock, ReversibleStack, set_engine
 from pareprop.models import is_model, register_model
@@ -214,7 +215,7 @@ def test_oom_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
 
 
 def test_measure_classifies_errors():
-    job = bench._jobs(bench.BenchConfig(
+    job = bench.sweep_jobs(bench.BenchConfig(
         models=("bench_test_tiny_oom",), engines=("autograd",), batch_sizes=(4,), device="cpu",
         warmup=0, iters=1, progress=False))[0]
     assert bench.measure(job)["status"] == "oom"
@@ -266,14 +267,13 @@ def test_grad_rel_err_detects_a_wrong_engine(monkeypatch):
     assert bench.grad_rel_err(model, (x,), "reversible") < 1e-10
 
     # An "engine" that gets the gradients wrong must be caught: scale the head's gradient.
-    original = bench.set_engine
+    original = pareprop.testing.set_engine
 
     def broken(module, name):
         original(module, name)
         module.head.weight.register_hook(lambda g: g * (2.0 if name != "autograd" else 1.0))
 
-    monkeypatch.setattr(bench.gradcheck, "set_engine", broken)
-    monkeypatch.setitem(__import__("sys").modules, "pareprop.testing", None)  # inline path
+    monkeypatch.setattr(pareprop.testing, "set_engine", broken)
     model = _make(depth=2).double().train()
     assert bench.grad_rel_err(model, (x,), "reversible") > 0.1
 
@@ -288,21 +288,21 @@ def test_depth_overrides_for_staged_configs():
         depth: int = 16
         last_block_indexes: tuple = (0, 2, 13, 15)
 
-    assert bench._depth_overrides(Staged(), 24) == {"depths": (2, 2, 18, 2)}
-    over = bench._depth_overrides(Indexed(), 24)
+    assert catalog.depth_overrides(Staged(), 24) == {"depths": (2, 2, 18, 2)}
+    over = catalog.depth_overrides(Indexed(), 24)
     assert over == {"depth": 24, "last_block_indexes": (0, 2, 21, 23)}
     with pytest.raises(ValueError, match="expected a depth of at least 7"):
-        bench._depth_overrides(Staged(), 6)
+        catalog.depth_overrides(Staged(), 6)
     @dataclass
     class OpenEnded:  # blocks after the last index form the last stage
         depth: int = 4
         last_block_indexes: tuple = (0, 2)
 
-    assert bench._depth_overrides(OpenEnded(), 8) == {"depth": 8, "last_block_indexes": (0, 6)}
+    assert catalog.depth_overrides(OpenEnded(), 8) == {"depth": 8, "last_block_indexes": (0, 6)}
     with pytest.raises(ValueError, match="expected a depth of at least 3"):
-        bench._depth_overrides(OpenEnded(), 2)
-    assert bench._depth_overrides(TinyCfg(), 5) == {"depth": 5}
-    assert bench._depth_overrides(TinyCfg(), None) == {}
+        catalog.depth_overrides(OpenEnded(), 2)
+    assert catalog.depth_overrides(TinyCfg(), 5) == {"depth": 5}
+    assert catalog.depth_overrides(TinyCfg(), None) == {}
 
 
 def test_ratio_summary_uses_the_reference_engine():

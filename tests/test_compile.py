@@ -12,7 +12,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import pareprop
-from pareprop.testing import _one_step, relative_error
+from pareprop.testing import one_step, relative_error
 
 TOL = 1e-10
 ENGINES = pareprop.ENGINES
@@ -90,7 +90,7 @@ def _errors(got, ref):
 
 def _step(model, inputs, engine, seed=0):
     model.train()
-    out = _one_step(model, inputs, engine, seed, None, {})
+    out = one_step(model, inputs, engine, seed, None, {})
     model.zero_grad(set_to_none=True)
     return out
 

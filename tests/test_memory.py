@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.bench.models import _build, _make_inputs, _model_info
+from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
-from pareprop.memory.plan import _PlanJob
 
 ENGINES = ("autograd", "reversible", "pareprop")
 # One small model per family, with the overrides that keep its step small on the CPU.
@@ -22,15 +21,14 @@ FAMILIES = {
 
 def _real(name, engine, batch, amp=None, **overrides):
     """memory_report of a really built model with the inputs plan_memory makes."""
-    job = _PlanJob(model=name, engine=engine, num_classes=10)
-    job.seq_len = overrides.pop("seq_len", None)
-    job.depth = overrides.pop("depth", None)
-    job.img_size = overrides.pop("img_size", None)
-    job.model_overrides = overrides
+    request = ModelRequest(model=name, engine=engine, num_classes=10)
+    request.seq_len = overrides.pop("seq_len", None)
+    request.depth = overrides.pop("depth", None)
+    request.img_size = overrides.pop("img_size", None)
+    request.overrides = overrides
     torch.manual_seed(0)
-    info = _model_info(name)
-    model = _build(job, info)
-    inputs = _make_inputs(model, job, info, torch.device("cpu"), batch)
+    model = build_model(request)
+    inputs = example_inputs(model, request, batch)
     if len(inputs) == 2:  # text: planned without padding (NOTE in memory/plan.py)
         inputs = (inputs[0], torch.ones_like(inputs[1]))
     return memory_report(model, inputs, engine=engine, amp=amp)
@@ -179,13 +177,11 @@ def test_grad_checkpointing_plans_less_and_agrees_with_the_real_step(name, engin
                        **overrides)
     assert plan.grad_checkpointing and "+ckpt" in plan.table()
     assert plan.activations < plain.activations
-    job = _PlanJob(model=name, engine=engine, num_classes=10, grad_checkpointing=True,
-                   model_overrides=overrides)
+    request = ModelRequest(model=name, engine=engine, num_classes=10, grad_checkpointing=True,
+                           overrides=overrides)
     torch.manual_seed(0)
-    info = _model_info(name)
-    model = _build(job, info)
-    real = memory_report(model, _make_inputs(model, job, info, torch.device("cpu"), 2),
-                         engine=engine)
+    model = build_model(request)
+    real = memory_report(model, example_inputs(model, request, 2), engine=engine)
     assert plan.peak == pytest.approx(real.peak, rel=0.02)
     assert plan.activations == pytest.approx(real.activations, rel=0.02)
 

@@ -1,6 +1,6 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
-from pareprop.budget import MemoryPlan, set_memory_budget
+from pareprop.budget import MemoryPlan, set_engine, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.convert import convert
@@ -11,7 +11,6 @@ from pareprop.engine import (
     ReversibleBlock,
     ReversibleStack,
     debug_reconstruction,
-    set_engine,
 )
 from pareprop.memory import (
     MemoryReport,

@@ -34,6 +34,9 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
+from pareprop.budget import apply_stored_blocks, stored_blocks
+from pareprop.models import create_model, model_spec
+
 __all__ = [
     "CheckpointError",
     "Checkpoint",
@@ -210,9 +213,6 @@ def save_checkpoint(
     """
     from safetensors.torch import save_file, save_model
 
-    from pareprop.budget import stored_blocks
-    from pareprop.models import model_spec
-
     model = _unwrap(model)
     spec = model_spec(model)
     out_dir = os.fspath(out_dir)
@@ -382,8 +382,6 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     """Rebuild the model a checkpoint was saved from (``create_model(name, **kwargs)``) and
     load its weights. ``overrides`` change config fields that do not touch the weights'
     shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``)."""
-    from pareprop.models import create_model
-
     ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
     spec = ckpt.meta["model"]
     model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
@@ -410,8 +408,6 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
         )
     model.load_state_dict(ckpt.state_dict, strict=False)
     # The memory budget's choice travels with the weights: the same blocks stay stored.
-    from pareprop.budget import apply_stored_blocks
-
     apply_stored_blocks(model, ckpt.meta["model"].get("stored_blocks", {}))
 
 

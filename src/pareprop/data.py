@@ -89,6 +89,7 @@ def _match_channels(x: torch.Tensor, in_chans: int) -> torch.Tensor:
 def _random_crop_flip(
     size: int, padding: int, flip: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    # torchvision is slow to import: loaded by the datasets that use it, not by the trainer.
     from torchvision.transforms import v2
 
     steps = [v2.RandomCrop(size, padding=padding, padding_mode="constant")]
@@ -112,6 +113,7 @@ def digits(
     Training augmentation is a random shift of up to one source pixel (no flip: a mirrored digit
     is another symbol).
     """
+    # scikit-learn is slow to import and only this dataset needs it.
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -171,6 +173,7 @@ def cifar(
     """CIFAR-10 or CIFAR-100 from ``data_dir`` through torchvision (the official test split is
     the validation set). Training augmentation: random crop with 4 pixels of padding and a
     horizontal flip; both splits are normalised by the training set's channel statistics."""
+    # torchvision is slow to import: loaded by the datasets that use it, not by the trainer.
     import torchvision
     from torchvision.transforms import v2
 
@@ -217,6 +220,7 @@ def image_folder(
     out so) through ``torchvision.datasets.ImageFolder``. Without ``train``/``val`` folders a
     fixed fraction is held out by ``seed``. Training: random resized crop and flip; validation:
     resize to 8/7 of the size and centre crop. Normalised with the ImageNet statistics."""
+    # torchvision is slow to import: loaded by the datasets that use it, not by the trainer.
     import torchvision
     from torchvision.transforms import v2
 

@@ -40,9 +40,11 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-# FSDP2 with each reversible block as a unit lives in pareprop.fsdp; it is offered here too,
-# beside DDP's wrap_ddp.
-from pareprop.fsdp import shard  # noqa: F401
+from pareprop.engine import ReversibleStack
+
+# FSDP2 with each reversible block as a unit lives in pareprop.fsdp, below this module (it needs
+# only the engine); it is offered here too, beside DDP's wrap_ddp.
+from pareprop.fsdp import is_wrapper, shard  # noqa: F401
 
 __all__ = [
     "DistInfo",
@@ -167,27 +169,11 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def _is_wrapper(m: nn.Module) -> bool:
-    if isinstance(m, nn.parallel.DistributedDataParallel):
-        return True
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if isinstance(m, FullyShardedDataParallel):
-            return True
-    except ImportError:  # pragma: no cover - builds without distributed
-        pass
-    # FSDP2 (fully_shard) turns modules into subclasses named FSDP<Class>.
-    return type(m).__name__.startswith("FSDP") and type(m).__name__ != "FSDPModule"
-
-
 def check_wrapping(model: nn.Module) -> None:
     """Raise ``ValueError`` if a data-parallel wrapper sits inside a reversible stack.
 
     See NOTE [ Reversible engines under DDP ] for why such a model cannot train.
     """
-    from pareprop.engine import ReversibleStack
-
     for name, stack in model.named_modules():
         if not isinstance(stack, ReversibleStack):
             continue
@@ -195,7 +181,7 @@ def check_wrapping(model: nn.Module) -> None:
         # [ FSDP2 and reversible blocks ] in pareprop/fsdp.py); any other wrapper is bypassed.
         sharded = {id(b) for b in stack.blocks} if stack._sharding is not None else set()
         for sub_name, sub in stack.named_modules():
-            if sub is stack or id(sub) in sharded or not _is_wrapper(sub):
+            if sub is stack or id(sub) in sharded or not is_wrapper(sub):
                 continue
             where = f"{name}.{sub_name}" if name else sub_name
             raise ValueError(
@@ -226,14 +212,12 @@ def wrap_ddp(
         ValueError: the model is already wrapped, a wrapper sits inside a reversible stack, or
             an option cannot work.
     """
-    from pareprop.engine import ReversibleStack
-
     if not tdist.is_available() or not tdist.is_initialized():
         raise ValueError(
             "wrap_ddp needs an initialised process group: start with torchrun, or call "
             "torch.distributed.init_process_group first"
         )
-    if _is_wrapper(model):
+    if is_wrapper(model):
         raise ValueError(f"the model is already wrapped in {type(model).__name__}; wrap it once")
     check_wrapping(model)
     reversible = any(
@@ -262,6 +246,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     Entries that are the same tensor under two names (tied weights) are kept once, under the
     first name, as ``safetensors.torch.save_model`` does for an unsharded model.
     """
+    # The DTensor machinery loads only for a sharded model's state dict.
     from torch.distributed.tensor import DTensor
 
     out: Dict[str, torch.Tensor] = {}

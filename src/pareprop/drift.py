@@ -19,9 +19,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from timm.layers import DropPath as TimmDropPath
 
 from pareprop.engine import ENGINES, ReversibleStack, debug_reconstruction
-from pareprop.testing import _one_step, relative_error
+from pareprop.layers import DropPath
+from pareprop.testing import one_step, relative_error
 
 __all__ = ["DriftReport", "drift_report"]
 
@@ -76,6 +78,8 @@ class DriftReport:
 
     def plot(self, path: str) -> None:
         """Error against block index: rebuilt inputs and block gradients, one line per engine."""
+        # matplotlib is heavy and only this plot needs it; Agg draws without a display, and the
+        # backend must be chosen before pyplot is imported.
         import matplotlib
 
         matplotlib.use("Agg")
@@ -102,10 +106,6 @@ class DriftReport:
 def _without_randomness(model: nn.Module) -> Iterator[None]:
     # Masks drawn for low-precision tensors need not match those drawn for float32 ones, which
     # would swamp the rounding error this report is about: switch dropout and drop-path off.
-    from timm.layers import DropPath as TimmDropPath
-
-    from pareprop.layers import DropPath
-
     saved: List[Tuple[nn.Module, str, float]] = []
     for m in model.modules():
         attr = "p" if isinstance(m, nn.modules.dropout._DropoutNd) else (
@@ -197,7 +197,7 @@ def drift_report(
         for x in inputs
     ]
     with _without_randomness(reference_model):
-        _, _, reference = _one_step(reference_model, ref_inputs, "autograd", seed, None, {})
+        _, _, reference = one_step(reference_model, ref_inputs, "autograd", seed, None, {})
     del reference_model
 
     model.train()
@@ -211,7 +211,7 @@ def drift_report(
                     else contextlib.nullcontext()
                 )
                 with autocast:
-                    _, _, grads = _one_step(model, inputs, engine, seed, None, {})
+                    _, _, grads = one_step(model, inputs, engine, seed, None, {})
                 if engine != "autograd":
                     report.reconstruction[engine] = [
                         max(pair)

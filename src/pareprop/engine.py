@@ -1010,34 +1010,17 @@ def _check_constants(kwargs: Dict[str, Any]) -> None:
             )
 
 
-def set_engine(
-    module: nn.Module,
-    name: str,
-    memory_budget: Any = None,
-    example_inputs: Any = None,
-) -> nn.Module:
+def set_engine(module: nn.Module, name: str) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``.
 
-    ``name="auto"`` with a ``memory_budget`` (bytes, ``"12GiB"`` or a fraction from 0 to 1) and
-    ``example_inputs`` stores the blocks that fit and recomputes the rest, on pareprop (CUDA) or
-    reversible: :func:`pareprop.set_memory_budget`, whose plan is left in
-    ``module.memory_plan``.
+    ``"auto"`` (the blocks that fit a memory budget stored, the rest recomputed) is chosen
+    above the engine, by :func:`pareprop.set_engine` (:mod:`pareprop.memory.budget`).
     """
     if name == "auto":
-        if memory_budget is None or example_inputs is None:
-            raise ValueError(
-                "engine='auto' needs memory_budget= (bytes, '12GiB' or a fraction from 0 to 1) "
-                "and example_inputs= (a batch to measure the blocks on)"
-            )
-        from pareprop.budget import set_memory_budget  # the dial builds on the engines
-
-        for m in module.modules():
-            if isinstance(m, ReversibleStack) and m.engine == "autograd":
-                m.set_engine("reversible")
-        module.memory_plan = set_memory_budget(module, memory_budget, example_inputs)
-        return module
-    if memory_budget is not None:
-        raise ValueError(f"memory_budget= goes with engine='auto', not {name!r}")
+        raise ValueError(
+            "engine 'auto' is chosen by a memory budget: call pareprop.set_engine(model, 'auto', "
+            "memory_budget=..., example_inputs=...) or pareprop.set_memory_budget"
+        )
     _check_engine(name)
     for m in module.modules():
         if isinstance(m, ReversibleStack):

@@ -46,11 +46,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 
 from pareprop.engine import ReversibleBlock, ReversibleStack
 
-__all__ = ["shard", "fsdp_available"]
+__all__ = ["shard", "fsdp_available", "is_wrapper"]
 
 # Norm layers stay with their parent's unit: a unit per LayerNorm costs a collective for a few
 # hundred numbers.
@@ -59,15 +60,31 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def fsdp_available() -> bool:
-    try:
+    """True if this torch has FSDP2's ``fully_shard`` (PyTorch >= 2.6)."""
+    try:  # FSDP2 is optional: older torch has none
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
         return False
     return True
 
 
+def is_wrapper(m: nn.Module) -> bool:
+    """True for a data-parallel wrapper: DDP, FSDP1, or a module FSDP2 has sharded."""
+    if isinstance(m, nn.parallel.DistributedDataParallel):
+        return True
+    try:  # FSDP is absent from torch builds without distributed
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(m, FullyShardedDataParallel):
+            return True
+    except ImportError:  # pragma: no cover - builds without distributed
+        pass
+    # FSDP2 (fully_shard) turns modules into subclasses named FSDP<Class>.
+    return type(m).__name__.startswith("FSDP") and type(m).__name__ != "FSDPModule"
+
+
 def _fully_shard():
-    try:
+    try:  # FSDP2 is optional: older torch has none
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:
         raise RuntimeError(
@@ -184,17 +201,13 @@ def shard(
         RuntimeError: this torch has no ``fully_shard``, or no process group is initialised.
         ValueError: the model is already wrapped.
     """
-    import torch.distributed as tdist
-
-    from pareprop.distributed import _is_wrapper
-
     fully_shard = _fully_shard()
     if not tdist.is_available() or not tdist.is_initialized():
         raise RuntimeError(
             "shard needs an initialised process group: start with torchrun, or call "
             "torch.distributed.init_process_group first"
         )
-    if any(_is_wrapper(m) for m in model.modules()):
+    if any(is_wrapper(m) for m in model.modules()):
         raise ValueError("the model already holds a DDP/FSDP wrapper; shard the bare model once")
     kwargs: Dict[str, Any] = {"reshard_after_forward": bool(reshard_after_forward)}
     if mesh is not None:

@@ -24,12 +24,7 @@ import re
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-
-from pareprop.bench.fields import engine_label  # noqa: E402
+from pareprop.catalog import engine_label
 
 __all__ = [
     "plot_results",
@@ -42,6 +37,18 @@ __all__ = [
 
 _MIB = 2**20
 _MAX_PANELS = 4
+
+
+def _pyplot() -> Any:
+    # matplotlib is heavy and only a plot needs it: loaded by the first plot, not when the
+    # benchmark or the planner that write plots at the end are imported. Agg draws PNGs
+    # without a display; the backend must be chosen before pyplot is imported.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _safe(name: str) -> str:
@@ -59,7 +66,7 @@ def _ok(records: Sequence[Dict[str, Any]], engine: str) -> List[Dict[str, Any]]:
 def _save(fig: Any, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -78,7 +85,7 @@ def plot_throughput(records: Sequence[Dict[str, Any]], path: str, title: str = "
     if len(panels) > _MAX_PANELS:  # keep the figure readable: first, last and evenly between
         step = (len(panels) - 1) / (_MAX_PANELS - 1)
         panels = [panels[round(i * step)] for i in range(_MAX_PANELS)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    fig, axes = _pyplot().subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, (depth, seq_len) in zip(axes[0], panels):
         for engine in _engines(records):
             pts = sorted((r["batch_size"], r["samples_per_s"]) for r in _ok(records, engine)
@@ -108,7 +115,7 @@ def plot_step_time(records: Sequence[Dict[str, Any]], path: str, title: str = ""
     depths = sorted({r["depth"] for r in chosen if r["depth"] is not None}) or [None]
     engines = _engines(chosen)
     width = 0.8 / max(len(engines), 1)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(depths) * len(engines)), 3.8))
+    fig, ax = _pyplot().subplots(figsize=(max(5.0, 1.2 * len(depths) * len(engines)), 3.8))
     for i, engine in enumerate(engines):
         xs, ys, lo, hi = [], [], [], []
         for j, depth in enumerate(depths):
@@ -160,7 +167,7 @@ def plot_memory(
         xlabel = "batch size"
     else:
         raise ValueError(f"expected against='depth' or 'batch_size', got {against!r}")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False)
+    fig, axes = _pyplot().subplots(1, 2, figsize=(10, 3.8), squeeze=False)
     peak_ax, act_ax = axes[0]
     for engine in _engines(chosen):
         mine = _ok(chosen, engine)
@@ -227,7 +234,7 @@ def plot_drift(rows: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
     paths = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["depth"])
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        fig, ax = _pyplot().subplots(figsize=(5.5, 3.8))
         for engine in dict.fromkeys(e for r in mine for e in r["grad_error"]):
             pts = [(r["depth"], r["grad_error"][engine]) for r in mine if engine in r["grad_error"]]
             ax.plot(*zip(*pts), marker="o", label=engine)
@@ -240,7 +247,7 @@ def plot_drift(rows: Sequence[Dict[str, Any]], out_dir: str) -> List[str]:
         fig.tight_layout()
         path = os.path.join(out_dir, f"drift_{_safe(model)}.png")
         fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _pyplot().close(fig)
         paths.append(path)
     return paths
 
@@ -255,7 +262,7 @@ def plot_plan(plan: Dict[str, Any], path: str) -> str:
     Returns:
         ``path``.
     """
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     keys = list(dict.fromkeys((r["model"], engine_label(r)) for r in plan["records"]))
     for model, engine in keys:
         pts = sorted((r["batch_size"], r["peak"] / 2**30) for r in plan["records"]
@@ -274,5 +281,5 @@ def plot_plan(plan: Dict[str, Any], path: str) -> str:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path

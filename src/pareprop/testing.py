@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from pareprop.engine import ReversibleStack, set_engine
 
-__all__ = ["engine_errors", "relative_error", "worst_error"]
+__all__ = ["engine_errors", "relative_error", "worst_error", "one_step"]
 
 Tensor = torch.Tensor
 
@@ -64,7 +64,7 @@ def _projection_loss(outputs: List[Tensor], seed: int) -> Tensor:
     return total
 
 
-def _one_step(model, inputs, engine, seed, loss_fn, kwargs):
+def one_step(model, inputs, engine, seed, loss_fn, kwargs):
     """One seeded forward and backward with ``engine``: (outputs, input grads, param grads)."""
     set_engine(model, engine)
     model.zero_grad(set_to_none=True)
@@ -111,12 +111,12 @@ def engine_errors(
     original, was_training = _engine_of(model), model.training
     model.train()
     try:
-        ref = _one_step(model, inputs, "autograd", seed, loss_fn, forward_kwargs)
+        ref = one_step(model, inputs, "autograd", seed, loss_fn, forward_kwargs)
         norms = {n: float(g.double().norm()) for n, g in ref[2].items() if g is not None}
         largest = max(norms.values(), default=0.0)
         report: Dict[str, Dict[str, float]] = {}
         for engine in engines:
-            got = _one_step(model, inputs, engine, seed, loss_fn, forward_kwargs)
+            got = one_step(model, inputs, engine, seed, loss_fn, forward_kwargs)
             errors = {"output": max(relative_error(a, b) for a, b in zip(got[0], ref[0]))}
             for i, (a, b) in enumerate(zip(got[1], ref[1])):
                 errors[f"input:{i}"] = relative_error(a, b)

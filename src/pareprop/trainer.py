@@ -52,7 +52,12 @@ from torch.utils.data import DataLoader, Subset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
+from pareprop.budget import parse_budget, set_memory_budget
+from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
+from pareprop.engine import ENGINES
+from pareprop.fsdp import fsdp_available
+from pareprop.models import create_model
 
 __all__ = ["TrainConfig", "Trainer", "train", "NonFiniteLossError", "param_groups"]
 
@@ -134,8 +139,6 @@ class TrainConfig:
                 "checked against sharded gradients; use --amp bf16 (it needs no scaler)"
             )
         if self.memory_budget is not None:
-            from pareprop.budget import parse_budget
-
             parse_budget(self.memory_budget)  # refuse a bad budget before anything runs
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
@@ -261,9 +264,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, dist: Optional[dist_lib.DistInfo] = None):
-        from pareprop.engine import ENGINES
-        from pareprop.models import create_model
-
         self.cfg = cfg
         self.dist = dist or dist_lib.DistInfo()
         self.device = _resolve_device(cfg.device, self.dist.local_rank)
@@ -275,8 +275,6 @@ class Trainer:
                 "use --amp bf16 on the CPU"
             )
         if cfg.fsdp:
-            from pareprop.fsdp import fsdp_available
-
             if not self.dist.active:
                 raise ValueError(
                     "--fsdp shards the model over the processes of a torchrun job, and this is "
@@ -328,8 +326,6 @@ class Trainer:
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
         if cfg.compile:  # after the budget, which measures the blocks eagerly
-            from pareprop.compile import compile_blocks
-
             compile_blocks(model)
         self.model = model  # the bare model; self.net is what the loop calls (maybe DDP)
         # Each process draws its own augmentation and dropout; process 0 matches a
@@ -406,8 +402,6 @@ class Trainer:
         run, under the run's autocast. Costs are FLOPs, not timings, so every process and every
         rerun of the same config chooses the same blocks; a resumed run takes the stored blocks
         recorded in its checkpoint instead, so it computes exactly what the first run did."""
-        from pareprop.budget import parse_budget, set_memory_budget
-
         if self.cfg.engine == "autograd":
             raise ValueError(
                 "--memory-budget chooses blocks for the reversible engines to store; with "

@@ -16,11 +16,11 @@ Models come from two places:
 
 Engines that do not apply to a model are skipped, so one ``--engines`` list serves a mixed sweep.
 
-One job per module:
+Models are built by name, with their inputs, by the catalog (:mod:`pareprop.catalog`), as the
+memory planner and the trainer build them. One job per module:
 
 * :mod:`~pareprop.bench.fields`: engine names and the record's fields.
 * :mod:`~pareprop.bench.config`: :class:`BenchConfig` and the default sweep.
-* :mod:`~pareprop.bench.models`: building a model by name, its inputs, depth overrides.
 * :mod:`~pareprop.bench.measure`: one configuration (:func:`measure`).
 * :mod:`~pareprop.bench.cpu_memory`: the CPU's peak resident memory, reset per configuration.
 * :mod:`~pareprop.bench.gradcheck`: the reversible engines' gradients against autograd.
@@ -30,7 +30,7 @@ One job per module:
 """
 
 # Private names stay importable from here: the subprocess worker (isolate.py), the CLI and the
-# tests reach them as ``bench._jobs``, ``bench._Job``... as they did when this was one module.
+# tests reach them as ``bench._Job``, ``bench._is_oom``... as they did when this was one module.
 # ruff: noqa: F401
 from pareprop.bench.config import BenchConfig, default_config
 from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_peak, _rss_peak_bytes
@@ -44,25 +44,17 @@ from pareprop.bench.fields import (
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _is_oom, _Job, measure
-from pareprop.bench.models import (
-    _build,
-    _depth_overrides,
-    _make_inputs,
-    _model_depth,
-    _model_info,
-    _model_source,
-    engines_for,
-)
 from pareprop.bench.results import (
-    _jsonable,
     format_headline,
     format_ratios,
     format_summary,
     format_table,
+    jsonable,
     ratio_summary,
     write_results,
 )
-from pareprop.bench.sweep import _jobs, run_bench
+from pareprop.bench.sweep import run_bench, sweep_jobs
+from pareprop.catalog import engines_for
 from pareprop.engine import set_engine
 
 __all__ = [

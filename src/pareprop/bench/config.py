@@ -8,7 +8,7 @@ from typing import Any, Dict, Sequence
 import torch
 
 from pareprop.bench.fields import ALL_ENGINES, AMP_MODES
-from pareprop.bench.models import _model_source
+from pareprop.catalog import model_facts, model_source
 from pareprop.engine import ENGINES
 
 __all__ = ["BenchConfig", "default_config"]
@@ -93,7 +93,7 @@ class BenchConfig:
         if not self.models:
             raise ValueError("expected at least one model, got none")
         for name in self.models:
-            _model_source(name)  # raises for unknown names
+            model_source(name)  # raises for unknown names
         bad = [e for e in self.engines if e not in ALL_ENGINES]
         if bad or not self.engines:
             raise ValueError(f"expected engines among {', '.join(ALL_ENGINES)}, got {bad or []}")
@@ -124,18 +124,14 @@ class BenchConfig:
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
             )
         if self.grad_checkpointing:
-            from pareprop.bench.models import _model_info
-
-            plain = [m for m in self.models if not _model_info(m).reversible]
+            plain = [m for m in self.models if not model_facts(m).reversible]
             if plain:
                 raise ValueError(
                     "--grad-checkpointing checkpoints the non-reversible blocks of reversible "
                     f"models; {', '.join(plain)} is a baseline: use its engine 'checkpointed'"
                 )
         if self.compile:
-            from pareprop.bench.models import _model_info
-
-            plain = [m for m in self.models if not _model_info(m).reversible]
+            plain = [m for m in self.models if not model_facts(m).reversible]
             if plain:
                 raise ValueError(
                     f"--compile compiles reversible blocks (pareprop.compile_blocks); "

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
-from pareprop.engine import ENGINES
+from pareprop.catalog import ALL_ENGINES, BASELINE_ENGINES, REVERSIBLE_ENGINES, engine_label
 
 __all__ = [
     "BASELINE_ENGINES",
@@ -15,10 +13,8 @@ __all__ = [
     "engine_label",
 ]
 
-BASELINE_ENGINES = ("plain", "checkpointed")
-ALL_ENGINES = tuple(ENGINES) + BASELINE_ENGINES
+# The engine modes are the catalog's (pareprop.catalog); offered here beside what a record holds.
 AMP_MODES = ("none", "bf16", "fp16")
-REVERSIBLE_ENGINES = ("reversible", "pareprop")
 
 # One record per (model, engine, memory_budget, batch_size, depth, seq_len, device).
 # Order is the CSV column order.
@@ -50,11 +46,3 @@ RECORD_FIELDS = (
     "status",
 )
 
-
-def engine_label(record: Dict[str, Any]) -> str:
-    """The engine of a record as tables and plots show it: ``reversible``; under a memory
-    budget (``pareprop bench --memory-budgets``) ``reversible@0.5``; with the non-reversible
-    blocks checkpointed (``--grad-checkpointing``) ``reversible+ckpt``."""
-    budget = record.get("memory_budget")
-    label = record["engine"] if budget is None else f"{record['engine']}@{budget:g}"
-    return label + "+ckpt" if record.get("grad_checkpointing") else label

@@ -17,11 +17,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pareprop import catalog
 from pareprop.bench import stop
 from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_peak, _rss_peak_bytes
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
-from pareprop.bench.models import _build, _logits, _make_inputs, _model_depth, _model_info, _side
+from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
+from pareprop.compile import compile_blocks
+from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
 __all__ = ["measure"]
 
@@ -49,6 +52,14 @@ class _Job:
     memory_budget: float | None = None  # a fraction: set_memory_budget on this batch first
     compile: bool = False  # pareprop.compile_blocks before the warm-up steps
     grad_checkpointing: bool = False  # model.set_grad_checkpointing() (reversible models)
+
+    def request(self) -> ModelRequest:
+        """The model this configuration measures, as the catalog builds it."""
+        return ModelRequest(
+            model=self.model, engine=self.engine, num_classes=self.num_classes,
+            img_size=self.img_size, depth=self.depth, seq_len=self.seq_len, seed=self.seed,
+            grad_checkpointing=self.grad_checkpointing, overrides=dict(self.model_overrides),
+        )
 
 
 
@@ -153,7 +164,8 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
 
 
 def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
-    info = _model_info(job.model)
+    facts = model_facts(job.model)
+    request = job.request()
     cpu_reset = device.type == "cpu" and _can_reset_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,12 +176,12 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         mem_before = _rss_peak_bytes()
 
     torch.manual_seed(job.seed)
-    model = _build(job, info).to(device).train()
+    model = build_model(request, facts).to(device).train()
     out["params"] = sum(p.numel() for p in model.parameters())
-    out["depth"] = job.depth if job.depth is not None else _model_depth(model)
-    inputs = _make_inputs(model, job, info, device, job.batch_size)
+    out["depth"] = job.depth if job.depth is not None else model_depth(model)
+    inputs = example_inputs(model, request, job.batch_size, device, facts)
     text = not inputs[0].is_floating_point()
-    if info.source == "pareprop" and model.cfg is not None and hasattr(model.cfg, "img_size"):
+    if facts.source == "pareprop" and model.cfg is not None and hasattr(model.cfg, "img_size"):
         out["img_size"] = _side(model.cfg.img_size)
     elif not text:
         out["img_size"] = int(inputs[0].shape[-1])
@@ -179,8 +191,6 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     if job.memory_budget is not None:
         out["stored_blocks"] = _apply_budget(model, inputs, job, device)
     if job.compile:  # after the budget, which measures the blocks eagerly
-        from pareprop.compile import compile_blocks
-
         compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     scaler = None
@@ -188,14 +198,14 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         scaler = _grad_scaler()
 
     with torch.no_grad():
-        logits = _logits(model(*inputs))
+        logits = catalog.logits(model(*inputs))
     target = torch.randint(0, logits.shape[-1], logits.shape[:-1], device=device)
     del logits
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with _autocast(device, job.amp):
-            logits = _logits(model(*inputs))
+            logits = catalog.logits(model(*inputs))
         loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -258,13 +268,15 @@ def _apply_budget(
     model: nn.Module, inputs: Tuple[torch.Tensor, ...], job: _Job, device: torch.device
 ) -> int:
     """Store the blocks a memory budget chooses for this batch; return how many."""
-    from pareprop.budget import set_memory_budget
-
     # FLOP cost: repeatable, so every engine and rerun of a sweep stores the same blocks.
     with _autocast(device, job.amp):
         plan = set_memory_budget(model, job.memory_budget, inputs, engine=job.engine,
                                  cost="flops", repeats=1)
     return plan.num_stored
+
+
+def _side(size: Any) -> int:
+    return int(size[-1]) if isinstance(size, (tuple, list)) else int(size)
 
 
 def _grad_scaler():
@@ -277,11 +289,9 @@ def _grad_scaler():
 def _activation_bytes(
     model: nn.Module, inputs: Tuple[torch.Tensor, ...], device: torch.device, amp: str
 ) -> int:
-    from pareprop.memory import activation_bytes
-
     def forward(*args: torch.Tensor) -> torch.Tensor:
         with _autocast(device, amp):
-            return _logits(model(*args))
+            return catalog.logits(model(*args))
 
     return int(activation_bytes(forward, *inputs))
 
@@ -291,8 +301,6 @@ def _planned_peak(job: _Job, device: torch.device) -> int | None:
 
     A planner failure never fails the measurement: the record just has no prediction.
     """
-    from pareprop.memory import plan_memory
-
     try:
         report = plan_memory(
             job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,

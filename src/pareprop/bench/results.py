@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -9,6 +10,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES, engine_label
 from pareprop.engine import ENGINES
+from pareprop.memory import largest_batch, parse_memory
+from pareprop.plots import plot_results
 
 __all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
 
@@ -19,14 +22,10 @@ def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, 
     Returns:
         ``{"json": path, "csv": path, "plots": [paths]}``.
     """
-    import csv
-
-    from pareprop.plots import plot_results
-
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "results.json")
     with open(json_path, "w") as fh:
-        json.dump([_jsonable(r) for r in records], fh, indent=1)
+        json.dump([jsonable(r) for r in records], fh, indent=1)
     csv_path = os.path.join(out_dir, "results.csv")
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(RECORD_FIELDS), extrasaction="ignore")
@@ -37,7 +36,7 @@ def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, 
     return {"json": json_path, "csv": csv_path, "plots": plots}
 
 
-def _jsonable(record: Dict[str, Any]) -> Dict[str, Any]:
+def jsonable(record: Dict[str, Any]) -> Dict[str, Any]:
     out = {}
     for k, v in record.items():
         if isinstance(v, float) and not math.isfinite(v):
@@ -253,8 +252,6 @@ def format_headline(
             f"{'-' if mem_ratio is None else f'{mem_ratio:.1f}'}x less peak memory at "
             f"{rev['step_ms_median'] / ref['step_ms_median']:.2f}x the step time")
     if plan_largest:
-        from pareprop.memory import largest_batch, parse_memory
-
         amp = {"bfloat16-amp": "bf16", "float16-amp": "fp16"}.get(ref["dtype"])
         kw = dict(amp=amp, device=str(ref["device"]).split(":")[0],
                   img_size=ref["img_size"], depth=ref["depth"], num_classes=10)

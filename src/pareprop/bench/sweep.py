@@ -7,34 +7,35 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+from tqdm.auto import tqdm
 
 from pareprop.bench import stop
 from pareprop.bench.config import BenchConfig
 from pareprop.bench.cpu_memory import _can_reset_rss
-from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
+from pareprop.bench.fields import BASELINE_ENGINES
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _Job, measure
-from pareprop.bench.models import _model_info, engines_for
+from pareprop.catalog import engine_budgets, engines_for, model_facts
 from pareprop.engine import ENGINES
 
 __all__ = ["run_bench"]
 
 
-def _jobs(config: BenchConfig) -> List[_Job]:
+def sweep_jobs(config: BenchConfig) -> List[_Job]:
     device = config.resolved_device()
     jobs = []
     for name in config.models:
         engines = engines_for(name, config.engines)
         if not engines:
-            valid = ENGINES if _model_info(name).reversible else BASELINE_ENGINES
+            valid = ENGINES if model_facts(name).reversible else BASELINE_ENGINES
             raise ValueError(
                 f"expected an engine that applies to {name!r} ({', '.join(valid)}), "
                 f"got {', '.join(config.engines)}"
             )
         # Sequence lengths only multiply the configurations of text models.
-        seq_lens = config.seq_lens if _model_info(name).text else (None,)
+        seq_lens = config.seq_lens if model_facts(name).text else (None,)
         for depth in config.depths:
-            for engine, budget in _engine_budgets(engines, config.memory_budgets):
+            for engine, budget in engine_budgets(engines, config.memory_budgets):
                 for seq_len in seq_lens:
                     for bs in sorted(config.batch_sizes):
                         jobs.append(
@@ -54,18 +55,6 @@ def _jobs(config: BenchConfig) -> List[_Job]:
     return jobs
 
 
-def _engine_budgets(engines: List[str], budgets) -> List[Tuple[str, Any]]:
-    # A memory budget chooses stored blocks for a reversible engine; autograd and the
-    # baselines have nothing to choose and run once.
-    out: List[Tuple[str, Any]] = []
-    for engine in engines:
-        if engine in REVERSIBLE_ENGINES:
-            out += [(engine, None if b is None else float(b)) for b in dict.fromkeys(budgets)]
-        else:
-            out.append((engine, None))
-    return out
-
-
 def run_bench(
     config: BenchConfig, on_record: Callable[[Dict[str, Any]], None] | None = None
 ) -> List[Dict[str, Any]]:
@@ -79,7 +68,7 @@ def run_bench(
         The records, in sweep order (model, depth, engine, seq_len, batch size).
     """
     config.validate()
-    jobs = _jobs(config)
+    jobs = sweep_jobs(config)
     device = torch.device(config.resolved_device())
     isolate = config.isolate
     if isolate is None:
@@ -122,7 +111,5 @@ def run_bench(
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, disable=not enabled, unit="config", dynamic_ncols=True,
                 file=sys.stderr)

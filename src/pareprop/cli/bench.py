@@ -22,6 +22,14 @@ import signal
 import sys
 from typing import Any, List, Optional, Sequence
 
+import torch
+
+from pareprop import bench, catalog
+from pareprop.bench import ALL_ENGINES, AMP_MODES, default_config, stop
+from pareprop.drift import drift_report
+from pareprop.engine import ENGINES
+from pareprop.plots import plot_drift
+
 __all__ = ["main", "build_parser"]
 
 
@@ -67,8 +75,6 @@ def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pareprop.bench import ALL_ENGINES, AMP_MODES
-
     p = argparse.ArgumentParser(
         prog="pareprop bench",
         description="Measure training-step time and memory of every engine (autograd, "
@@ -125,8 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace):
-    from pareprop.bench import default_config
-
     config = default_config()
     config.device = None  # the default sweep too runs on the GPU when there is one
     if args.models is not None:
@@ -168,14 +172,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exit_:  # argparse already printed the message
         return int(exit_.code or 0)
 
-    from pareprop import bench
-
     config = _config(args)
     try:
         config.validate()
         if args.drift:
             return _drift(config, args.out)
-        bench._jobs(config)  # raises for a model that none of the engines applies to
+        bench.sweep_jobs(config)  # raises for a model that none of the engines applies to
     except ValueError as err:
         print(f"pareprop bench: error: {err}", file=sys.stderr)
         return 2
@@ -190,10 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stream = open(os.path.join(args.out, "results.jsonl"), "w")
 
     def keep(record: dict) -> None:
-        stream.write(json.dumps(bench._jsonable(record)) + "\n")
+        stream.write(json.dumps(bench.jsonable(record)) + "\n")
         stream.flush()
-
-    from pareprop.bench import stop
 
     # `timeout` ends us with SIGTERM: stop at the next safe point and keep the records
     # (NOTE [ Stopping on a signal ] in pareprop/bench/stop.py).
@@ -229,13 +229,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 #     per model and depth instead of the timing sweep, writes drift.json and plots error
 #     against depth.
 def _drift(config: Any, out_dir: str) -> int:
-    import torch
-
-    from pareprop import bench
-    from pareprop.drift import drift_report
-    from pareprop.engine import ENGINES
-    from pareprop.plots import plot_drift
-
     device = torch.device(config.resolved_device())
     # Drift is a low-precision effect: without --amp, measure under bf16 autocast.
     amp_dtype = torch.float16 if config.amp == "fp16" else torch.bfloat16
@@ -244,21 +237,22 @@ def _drift(config: Any, out_dir: str) -> int:
         engines.insert(0, "autograd")
     rows = []
     for name in config.models:
-        info = bench._model_info(name)
-        if not info.reversible:
+        facts = catalog.model_facts(name)
+        if not facts.reversible:
             print(f"pareprop bench: --drift skips {name} (no reversible stack)", file=sys.stderr)
             continue
-        for job in bench._jobs(config):
+        for job in bench.sweep_jobs(config):
             if job.model != name or job.engine != engines[0] or job.batch_size != min(
                 config.batch_sizes
             ):
                 continue
             torch.manual_seed(config.seed)
-            model = bench._build(job, info).to(device).train()
-            inputs = bench._make_inputs(model, job, info, device, job.batch_size)
+            request = job.request()
+            model = catalog.build_model(request, facts).to(device).train()
+            inputs = catalog.example_inputs(model, request, job.batch_size, device, facts)
             report = drift_report(model, inputs, amp_dtype=amp_dtype, engines=engines,
                                   seed=config.seed)
-            depth = job.depth if job.depth is not None else bench._model_depth(model)
+            depth = job.depth if job.depth is not None else catalog.model_depth(model)
             rows.append({"model": name, "depth": depth, "batch_size": job.batch_size,
                          "device": str(device), **report.to_dict(), "ratios": report.ratios()})
             errs = ", ".join(f"{e} {v:.2e}" for e, v in report.grad_error.items())

@@ -20,13 +20,16 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from pareprop.catalog import ALL_ENGINES
+from pareprop.cli.bench import _fraction, _positive_int, _split
+from pareprop.memory import parse_memory
+from pareprop.memory.sweep import format_plan, plan_sweep
+from pareprop.plots import plot_plan
+
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pareprop.bench.fields import ALL_ENGINES
-    from pareprop.cli.bench import _fraction, _positive_int
-
     p = argparse.ArgumentParser(
         prog="pareprop plan",
         description="Predict the peak memory of one training step (forward, loss, backward, "
@@ -63,11 +66,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:
         return int(exit_.code or 0)
-
-    from pareprop.cli.bench import _split
-    from pareprop.memory import parse_memory
-    from pareprop.memory.sweep import format_plan, plan_sweep
-    from pareprop.plots import plot_plan
 
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None

@@ -13,7 +13,9 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from pareprop.trainer import AMP_MODES, PRESETS, TrainConfig
+from pareprop.checkpoint import CheckpointError
+from pareprop.data import DatasetNotFoundError
+from pareprop.trainer import AMP_MODES, PRESETS, NonFiniteLossError, TrainConfig, train
 
 __all__ = ["main", "build_parser", "resolve_config"]
 
@@ -174,10 +176,6 @@ def resolve_config(argv: Sequence[str]) -> TrainConfig:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pareprop.checkpoint import CheckpointError
-    from pareprop.data import DatasetNotFoundError
-    from pareprop.trainer import NonFiniteLossError, train
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = resolve_config(argv)

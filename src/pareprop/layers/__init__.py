@@ -1,5 +1,6 @@
 """Reusable layers. They know nothing about the backward engines."""
 
+from pareprop.layers._config import make_config
 from pareprop.layers.attention import Attention, attend
 from pareprop.layers.drop import DropPath
 from pareprop.layers.patch_embed import PatchEmbed, check_image, to_2tuple_int
@@ -20,6 +21,7 @@ __all__ = [
     "PoolingAttention",
     "add_decomposed_rel_pos",
     "check_image",
+    "make_config",
     "pooled_size",
     "rel_pos_table",
     "to_2tuple_int",

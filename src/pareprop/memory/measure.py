@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from pareprop.engine import set_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
     amp_dtype,
@@ -43,8 +44,6 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
                              f"{type(model).__name__} has none")
         model.set_grad_checkpointing(True)
         return
-    from pareprop.engine import set_engine
-
     set_engine(model, engine)
 
 
@@ -55,6 +54,7 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
 #     at the end of that method. Should a later torch drop that method, the base class's
 #     (slower, same result) runs instead.
 def _step_tracker():
+    # torch.distributed's private tools: loaded by the first report, not at ``import pareprop``.
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class _StepPeakTracker(MemTracker):

@@ -22,33 +22,30 @@ NOTE [ Planning under FakeTensorMode ]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from pareprop.catalog import (
+    ALL_ENGINES,
+    ModelFacts,
+    ModelRequest,
+    build_model,
+    engines_for,
+    example_inputs,
+    model_facts,
+    model_source,
+)
+from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import amp_dtype, amp_label, create_optimizer_state, make_optimizer
 
-__all__ = ["plan_memory", "largest_batch", "parse_memory", "MAX_BATCH"]
+__all__ = ["plan_memory", "largest_batch", "MAX_BATCH"]
 
 MAX_BATCH = 2**20  # the largest-batch search stops here
-
-
-@dataclass
-class _PlanJob:  # the attributes pareprop.bench.models._build and _make_inputs read
-    model: str
-    engine: str
-    num_classes: int = 1000
-    img_size: Optional[int] = None
-    depth: Optional[int] = None
-    seq_len: Optional[int] = None
-    seed: int = 0
-    grad_checkpointing: bool = False
-    model_overrides: Dict[str, Any] = field(default_factory=dict)
 
 
 class _cpu_linspace(TorchFunctionMode):
@@ -82,26 +79,20 @@ class _planning_values(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _fake_model(job: _PlanJob, fake_mode: Any) -> Tuple[nn.Module, Any]:
-    from pareprop.bench.models import _build, _model_info
-
-    info = _model_info(job.model)
+def _fake_model(request: ModelRequest, fake_mode: Any) -> Tuple[nn.Module, ModelFacts]:
+    facts = model_facts(request.model)
     with torch.device("meta"), _cpu_linspace():
-        model = _build(job, info)
+        model = build_model(request, facts)
     with fake_mode:
         model.to_empty(device="cpu")
-    return model, info
+    return model, facts
 
 
 def _check(name: str, batch_size: Any, engine: str, device: str) -> None:
-    from pareprop.bench.models import _model_source, engines_for
-
-    _model_source(name)  # unknown names raise, naming the close ones
+    model_source(name)  # unknown names raise, naming the close ones
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"expected a positive integer batch size, got {batch_size!r}")
     if not engines_for(name, [engine]):
-        from pareprop.bench.fields import ALL_ENGINES
-
         if engine not in ALL_ENGINES:
             raise ValueError(f"expected engine among {', '.join(ALL_ENGINES)}, got {engine!r}")
         valid = ", ".join(engines_for(name, ALL_ENGINES))
@@ -141,8 +132,9 @@ def plan_memory(
             under activation checkpointing (``model.set_grad_checkpointing()``; for timm's
             models that is engine ``checkpointed``).
         **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
-            stage), ``seq_len`` (text), ``num_classes`` (default 1000), ``seed``, and any model
-            config field.
+            stage), ``seq_len`` (text), ``num_classes``, ``seed``, and any model config field;
+            what is not given is the model's own (the model planned is the one
+            ``create_model(name, **overrides)`` builds).
 
     Returns:
         A :class:`MemoryReport` with ``method="tracked_fake"``.
@@ -150,9 +142,8 @@ def plan_memory(
     Example:
         ``pareprop.plan_memory("rev_vit_large_patch16_224", 256, "reversible", amp="bf16")``
     """
+    # torch's private fake-tensor module: loaded by the first plan, not at ``import pareprop``.
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from pareprop.bench.models import _make_inputs
 
     _check(name, batch_size, engine, device)
     if memory_budget is not None and engine not in ("reversible", "pareprop"):
@@ -161,18 +152,18 @@ def plan_memory(
             "has none to choose (use reversible or pareprop, or no budget)"
         )
     dtype = amp_dtype(amp)
-    job = _PlanJob(model=name, engine=engine, grad_checkpointing=bool(grad_checkpointing))
+    request = ModelRequest(model=name, engine=engine, grad_checkpointing=bool(grad_checkpointing))
     for key in ("num_classes", "img_size", "depth", "seq_len", "seed"):
         if key in overrides:
-            setattr(job, key, overrides.pop(key))
-    job.model_overrides = overrides
+            setattr(request, key, overrides.pop(key))
+    request.overrides = overrides
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, info = _fake_model(job, fake_mode)
+    model, facts = _fake_model(request, fake_mode)
     if engine == "checkpointed":
         apply_engine(model, engine)
     with fake_mode:
         model.train()
-        inputs = _make_inputs(model, job, info, torch.device("cpu"), batch_size)
+        inputs = example_inputs(model, request, batch_size, "cpu", facts)
         foreach = True if torch.device(device).type == "cuda" else None
         opt = make_optimizer(model, optimizer, foreach=foreach)
         create_optimizer_state(model, opt)
@@ -182,13 +173,11 @@ def plan_memory(
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
-                        grad_checkpointing=job.grad_checkpointing)
+                        grad_checkpointing=request.grad_checkpointing)
 
 
 def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget: Any,
                       engine: str, dtype: Optional[torch.dtype]) -> None:
-    from pareprop.budget import set_memory_budget
-
     autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
                 else torch.autocast("cpu", enabled=False))
     with autocast, _planning_values():
@@ -285,30 +274,3 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
             lo = b
         return MAX_BATCH, None
     return lo, hi
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory(text: Any) -> int:
-    """``"80GiB"``, ``"80GB"``, ``"8e10"`` (bytes), ``"512MiB"`` -> bytes.
-
-    Raises:
-        ValueError: naming the accepted forms, for anything else.
-    """
-    import re
-
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"expected a memory size such as 80GiB, 80GB, 512MiB or 8e10 (bytes), got {text!r}"
-            )
-        value, unit = float(m.group(1)), m.group(2).lower()
-    size = int(value * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"expected a positive memory size, got {text!r}")
-    return size

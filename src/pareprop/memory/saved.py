@@ -10,7 +10,8 @@ import torch.nn as nn
 __all__ = ["activation_bytes"]
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
+def is_parameter(t: torch.Tensor) -> bool:
+    """True for a parameter or a view of one: saved, it costs no activation memory."""
     # Ops often save a view of a weight (linear saves weight.t()), whose base is the parameter.
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
@@ -22,6 +23,8 @@ def storage_key(t: torch.Tensor) -> Tuple[str, int]:
     so its storage object's identity stands in; the caller keeps the tensor alive while it
     counts, so neither kind of key is reused by another storage meanwhile.
     """
+    # torch's private fake-tensor module, only for isinstance: loaded on first count, not at
+    # ``import pareprop``.
     from torch._subclasses.fake_tensor import FakeTensor
 
     storage = t.untyped_storage()
@@ -45,7 +48,7 @@ def activation_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     alive = []  # keeps each counted storage alive, so no address is reused while measuring
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not _is_parameter(t):
+        if not is_parameter(t):
             storage = t.untyped_storage()
             if storage.nbytes() > 0:
                 saved[storage_key(t)] = storage.nbytes()

@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pareprop import catalog
+
 __all__ = ["OPTIMIZERS", "AMP_NAMES"]
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
@@ -105,14 +107,6 @@ class _SavedBytes:
         return sum(self._saved.values())
 
 
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return out["logits"]
-    return out[0]
-
-
 def run_step(
     model: nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -136,7 +130,7 @@ def run_step(
                 else contextlib.nullcontext())
     with saved.hooks():
         with autocast:
-            logits = _logits(model(*inputs))
+            logits = catalog.logits(model(*inputs))
         logits = logits.float().flatten(0, -2)
         target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         loss = F.cross_entropy(logits, target)

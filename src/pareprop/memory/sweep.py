@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from pareprop.bench.fields import engine_label
+from pareprop.catalog import engine_budgets, engine_label, engines_for, model_facts
 from pareprop.memory.plan import largest_batch, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
@@ -47,9 +47,6 @@ def plan_sweep(
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
         "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
     """
-    from pareprop.bench.models import _model_info, engines_for
-    from pareprop.bench.sweep import _engine_budgets
-
     if img_size is not None:
         overrides["img_size"] = img_size
     records: List[Dict[str, Any]] = []
@@ -58,8 +55,8 @@ def plan_sweep(
         mine = engines_for(name, engines)
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
-        for engine, budget in _engine_budgets(mine, memory_budgets):
-            gc = grad_checkpointing and _model_info(name).reversible
+        for engine, budget in engine_budgets(mine, memory_budgets):
+            gc = grad_checkpointing and model_facts(name).reversible
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       **overrides)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}

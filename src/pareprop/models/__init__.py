@@ -9,8 +9,10 @@ from pareprop.models._registry import (
     list_models,
     model_spec,
     register_model,
+    unknown_model_message,
 )
 
 register_fx_leaves()
 
-__all__ = ["create_model", "is_model", "list_models", "model_spec", "register_model"]
+__all__ = ["create_model", "is_model", "list_models", "model_spec", "register_model",
+           "unknown_model_message"]

@@ -21,6 +21,11 @@
 
 from __future__ import annotations
 
+from pareprop.engine import ReversibleStack
+from pareprop.layers.patch_embed import check_image
+from pareprop.layers.pooling_attention import PoolingAttention
+from pareprop.models.swin import RevSwinStage
+
 __all__ = ["register_fx_leaves"]
 
 
@@ -30,10 +35,6 @@ def register_fx_leaves() -> None:
         from timm.layers import register_notrace_function, register_notrace_module
     except ImportError:  # timm is a declared dependency, but the core works without it
         return
-    from pareprop.engine import ReversibleStack
-    from pareprop.layers.patch_embed import check_image
-    from pareprop.layers.pooling_attention import PoolingAttention
-    from pareprop.models.swin import RevSwinStage
 
     register_notrace_module(ReversibleStack)
     register_notrace_module(RevSwinStage)

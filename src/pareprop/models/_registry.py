@@ -24,7 +24,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec"]
+from pareprop.models._features import StageFeatureNet
+
+__all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec",
+           "unknown_model_message"]
 
 _MODEL_FACTORIES: Dict[str, Callable[..., nn.Module]] = {}
 
@@ -96,10 +99,10 @@ def register_model(
 def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
     """timm's ``FeatureGetterNet`` over the model's ``forward_intermediates``: a list of NCHW
     stage maps, ``feature_info`` describing them (all stages when ``out_indices`` is None)."""
-    from pareprop.models._features import StageFeatureNet, StageFeaturesMixin
-    from pareprop.models.vit import RevViT
-
-    if not isinstance(model, (StageFeaturesMixin, RevViT)):
+    # The image families list their stage maps in feature_info (timm's contract); the text
+    # encoder has none. Asked of the model, not of its class, so the registry stays below the
+    # families that register themselves in it.
+    if getattr(model, "feature_info", None) is None:
         raise ValueError(
             f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
             f"got {type(model).__name__}"
@@ -118,7 +121,7 @@ def is_model(name: str) -> bool:
     return name in _MODEL_FACTORIES
 
 
-def _unknown_model_message(name: str) -> str:
+def unknown_model_message(name: str) -> str:
     close = difflib.get_close_matches(name, list(_MODEL_FACTORIES), n=5, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return (
@@ -134,7 +137,7 @@ def create_model(name: str, **overrides: Any) -> nn.Module:
         ``create_model("rev_vit_small_patch16_224", depth=4, num_classes=10, engine="pareprop")``
     """
     if name not in _MODEL_FACTORIES:
-        raise ValueError(_unknown_model_message(name))
+        raise ValueError(unknown_model_message(name))
     return _MODEL_FACTORIES[name](**overrides)
 
 

@@ -30,8 +30,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Mlp
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import PatchEmbed, PoolingAttention, check_image, to_2tuple_int
-from pareprop.layers._config import make_config
+from pareprop.layers import PatchEmbed, PoolingAttention, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp, to_2tuple
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import check_image
-from pareprop.layers._config import make_config
+from pareprop.layers import check_image, make_config
 from pareprop.layers.drop import DropPath
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.layers.window_attention import (

@@ -32,7 +32,7 @@ from timm.layers import Mlp
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers._config import make_config
+from pareprop.layers import make_config
 from pareprop.layers.attention import attend
 from pareprop.layers.drop import DropPath
 from pareprop.models._base import (

@@ -20,8 +20,7 @@ from timm.layers import Mlp, trunc_normal_
 from timm.models._features import feature_take_indices
 
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import Attention, PatchEmbed, check_image, to_2tuple_int
-from pareprop.layers._config import make_config
+from pareprop.layers import Attention, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath
 from pareprop.models._base import (
     CIFAR_MEAN,

@@ -1,0 +1,323 @@
+"""The model catalog: one road from a model's name to a model to run, measure or plan.
+
+A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_models`) or timm's
+(``vit_base_patch16_224``). The catalog builds it with overrides in an *engine mode*: one of
+pareprop's engines (``autograd``, ``reversible``, ``pareprop``) for a model with a
+:class:`~pareprop.engine.ReversibleStack`, or a baseline mode for any other model (``plain``:
+autograd; ``checkpointed``: timm's ``set_grad_checkpointing()``). It also gives the model's
+example inputs, its facts (source, family, depth, whether it is reversible or reads text) and
+its logits. The benchmark (:mod:`pareprop.bench`), the memory planner
+(:func:`pareprop.plan_memory`), the trainer and the CLI all build their models here, so a plan
+of ``name`` is a plan of exactly the model ``create_model(name, **overrides)`` builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import timm
+import torch
+import torch.nn as nn
+
+from pareprop.engine import ENGINES, ReversibleStack
+from pareprop.models import create_model, is_model, unknown_model_message
+
+__all__ = [
+    "BASELINE_ENGINES",
+    "ALL_ENGINES",
+    "REVERSIBLE_ENGINES",
+    "ModelFacts",
+    "ModelRequest",
+    "model_source",
+    "model_facts",
+    "engines_for",
+    "engine_budgets",
+    "engine_label",
+    "build_model",
+    "example_inputs",
+    "logits",
+    "depth_overrides",
+    "model_depth",
+]
+
+BASELINE_ENGINES = ("plain", "checkpointed")  # the modes of models without a reversible stack
+ALL_ENGINES = tuple(ENGINES) + BASELINE_ENGINES
+REVERSIBLE_ENGINES = ("reversible", "pareprop")  # the engines a memory budget applies to
+
+
+def model_source(name: str) -> str:
+    """``"pareprop"`` or ``"timm"``: the registry that knows ``name``.
+
+    Raises:
+        ValueError: neither knows it; the message names pareprop's close matches.
+    """
+    if is_model(name):
+        return "pareprop"
+    if timm.is_model(name):
+        return "timm"
+    raise ValueError(unknown_model_message(name) + "; timm model names are accepted too")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a name's default model is, read off a build on the meta device."""
+
+    name: str
+    source: str  # "pareprop" or "timm"
+    family: str  # the model's class: RevViT, RevMViTv2, VisionTransformer...
+    reversible: bool  # holds a ReversibleStack: runs the engines, else the baseline modes
+    text: bool  # takes (input_ids, attention_mask); its input_size is (seq_len,)
+    cfg: Any  # the pareprop config dataclass, or None
+    input_size: Optional[Tuple[int, ...]]
+    depth: Optional[int]  # blocks in total (see model_depth)
+
+
+_FACTS: Dict[str, ModelFacts] = {}
+
+
+def model_facts(name: str) -> ModelFacts:
+    """The facts of model ``name`` with its default config (cached per name)."""
+    if name in _FACTS:
+        return _FACTS[name]
+    source = model_source(name)
+    build = _default_pareprop if source == "pareprop" else _default_timm
+    try:
+        with _meta_device():
+            model = build(name)
+    except Exception:  # some initialisers call .item(); build for real then
+        model = build(name)
+    pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    input_size = pcfg.get("input_size")
+    facts = ModelFacts(
+        name=name,
+        source=source,
+        family=type(model).__name__,
+        reversible=any(isinstance(m, ReversibleStack) for m in model.modules()),
+        text=input_size is not None and len(input_size) == 1,
+        cfg=getattr(model, "cfg", None),
+        input_size=tuple(input_size) if input_size is not None else None,
+        depth=model_depth(model),
+    )
+    _FACTS[name] = facts
+    del model
+    return facts
+
+
+@contextlib.contextmanager
+def _meta_device() -> Iterator[None]:
+    # Building on the meta device inspects a base-size model without allocating it.
+    with torch.device("meta"):
+        yield
+
+
+def _default_pareprop(name: str) -> nn.Module:
+    return create_model(name)
+
+
+def _default_timm(name: str) -> nn.Module:
+    # A small head: the facts do not depend on it, and a 1000-class head of a large model
+    # would be built for real where the meta device cannot be used.
+    return timm.create_model(name, pretrained=False, num_classes=2)
+
+
+def engines_for(name: str, engines: Sequence[str]) -> List[str]:
+    """The engine modes of ``engines`` that apply to model ``name``, in the given order."""
+    valid = ENGINES if model_facts(name).reversible else BASELINE_ENGINES
+    return [e for e in engines if e in valid]
+
+
+def engine_budgets(engines: Sequence[str], budgets: Sequence[Any]) -> List[Tuple[str, Any]]:
+    """``(engine, memory budget)`` pairs to run: each reversible engine once per budget
+    (``None``: no budget); autograd and the baselines have no blocks to choose and run once."""
+    out: List[Tuple[str, Any]] = []
+    for engine in engines:
+        if engine in REVERSIBLE_ENGINES:
+            out += [(engine, None if b is None else float(b)) for b in dict.fromkeys(budgets)]
+        else:
+            out.append((engine, None))
+    return out
+
+
+def engine_label(record: Dict[str, Any]) -> str:
+    """The engine of a record as tables and plots show it: ``reversible``; under a memory
+    budget (``pareprop bench --memory-budgets``) ``reversible@0.5``; with the non-reversible
+    blocks checkpointed (``--grad-checkpointing``) ``reversible+ckpt``."""
+    budget = record.get("memory_budget")
+    label = record["engine"] if budget is None else f"{record['engine']}@{budget:g}"
+    return label + "+ckpt" if record.get("grad_checkpointing") else label
+
+
+@dataclass
+class ModelRequest:
+    """A model by name, with what to change about it.
+
+    ``None`` keeps the model's own value: ``create_model(model, **overrides)`` (or timm's
+    ``create_model``) is what is built, changed only by the fields given.
+    """
+
+    model: str
+    engine: str  # an engine (reversible models) or a baseline mode: see ALL_ENGINES
+    num_classes: Optional[int] = None
+    img_size: Optional[int] = None
+    depth: Optional[int] = None  # blocks in total; staged models change their deepest stage
+    seq_len: Optional[int] = None  # text models' example inputs
+    seed: int = 0  # example inputs of models without example_inputs()
+    grad_checkpointing: bool = False  # reversible models: checkpoint their other blocks
+    overrides: Dict[str, Any] = field(default_factory=dict)  # any other config field
+
+
+def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn.Module:
+    """Build ``request.model`` with its overrides, in its engine or baseline mode."""
+    facts = facts if facts is not None else model_facts(request.model)
+    if facts.source == "pareprop":
+        model = create_model(request.model, **_pareprop_kwargs(request, facts))
+    else:
+        kwargs = _with_num_classes(request)
+        for key in ("img_size", "depth"):
+            if getattr(request, key) is not None:
+                kwargs[key] = getattr(request, key)
+        try:
+            model = timm.create_model(request.model, pretrained=False, **kwargs)
+        except TypeError as err:
+            if request.depth is not None and "depth" in str(err):
+                raise ValueError(
+                    f"depth override unsupported: timm model {request.model!r} takes no depth "
+                    "argument; omit --depths for it"
+                ) from err
+            raise
+    if request.engine == "checkpointed":
+        model.set_grad_checkpointing(True)
+    if request.grad_checkpointing:
+        if not facts.reversible:
+            raise ValueError(
+                f"grad checkpointing here is for the blocks of reversible models that are not "
+                f"reversible; {request.model!r} is a baseline: use its engine 'checkpointed'"
+            )
+        model.set_grad_checkpointing(True)
+    return model
+
+
+def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]:
+    kwargs = _with_num_classes(request)
+    names = {f.name for f in dataclasses.fields(facts.cfg)} if facts.cfg is not None else set()
+    if facts.reversible:
+        kwargs["engine"] = request.engine
+    if request.img_size is not None and "img_size" in names:
+        kwargs["img_size"] = request.img_size
+    if facts.cfg is not None:
+        kwargs.update(depth_overrides(facts.cfg, request.depth))
+    return kwargs
+
+
+def _with_num_classes(request: ModelRequest) -> Dict[str, Any]:
+    # A num_classes among the overrides wins over the request's (as --model-overrides does).
+    kwargs: Dict[str, Any] = {}
+    if request.num_classes is not None:
+        kwargs["num_classes"] = request.num_classes
+    kwargs.update(request.overrides)
+    return kwargs
+
+
+def example_inputs(
+    model: nn.Module,
+    request: ModelRequest,
+    batch_size: int,
+    device: Any = "cpu",
+    facts: Optional[ModelFacts] = None,
+) -> Tuple[torch.Tensor, ...]:
+    """A batch for ``model`` (built from ``request``): its own ``example_inputs`` where it has
+    them (pareprop's models; ``seq_len`` for text), else random images of its input size."""
+    device = torch.device(device)
+    example = getattr(model, "example_inputs", None)
+    if example is not None:
+        kwargs: Dict[str, Any] = {}
+        if request.seq_len is not None and "seq_len" in inspect.signature(example).parameters:
+            kwargs["seq_len"] = request.seq_len
+        inputs = tuple(example(batch_size, device=device, **kwargs))
+        if request.seq_len is not None and not inputs[0].is_floating_point() and not kwargs:
+            inputs = _fit_seq_len(inputs, request.seq_len)
+        return inputs
+    facts = facts if facts is not None else model_facts(request.model)
+    size = request.img_size or (facts.input_size[-1] if facts.input_size else 224)
+    chans = facts.input_size[0] if facts.input_size else 3
+    gen = torch.Generator().manual_seed(request.seed)
+    return (torch.randn(batch_size, chans, size, size, generator=gen).to(device),)
+
+
+def _fit_seq_len(inputs: Tuple[torch.Tensor, ...], seq_len: int) -> Tuple[torch.Tensor, ...]:
+    # Text models whose example_inputs has no seq_len: cut (or tile) every (B, T) input to T.
+    out = []
+    for t in inputs:
+        if t.dim() >= 2:
+            reps = math.ceil(seq_len / t.shape[1])
+            t = t.repeat(1, reps, *([1] * (t.dim() - 2)))[:, :seq_len]
+        out.append(t)
+    return tuple(out)
+
+
+def logits(out: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor, ``out["logits"]`` or ``out[0]``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return out["logits"]
+    return out[0]
+
+
+def depth_overrides(cfg: Any, depth: Optional[int]) -> Dict[str, Any]:
+    """Config overrides that make a pareprop model ``depth`` blocks deep in total."""
+    if depth is None:
+        return {}
+    names = {f.name for f in dataclasses.fields(cfg)}
+    if "depths" in names:  # Swin-like: stage depths; the deepest stage absorbs the change
+        depths = list(cfg.depths)
+        deepest = max(range(len(depths)), key=lambda i: depths[i])
+        depths[deepest] += depth - sum(depths)
+        if depths[deepest] < 1:
+            raise ValueError(
+                f"expected a depth of at least {sum(cfg.depths) - cfg.depths[deepest] + 1} "
+                f"for stage depths {tuple(cfg.depths)}, got {depth}"
+            )
+        return {"depths": tuple(depths)}
+    if "last_block_indexes" in names and "depth" in names:  # MViT-like: stage ends by index
+        ends = list(cfg.last_block_indexes)
+        closed = ends[-1] == cfg.depth - 1  # else blocks after the last index form a stage
+        if not closed:
+            ends.append(cfg.depth - 1)
+        lengths = [ends[0] + 1] + [b - a for a, b in zip(ends, ends[1:])]
+        deepest = max(range(len(lengths)), key=lambda i: lengths[i])
+        shallowest_total = cfg.depth - lengths[deepest] + 1
+        lengths[deepest] += depth - cfg.depth
+        if lengths[deepest] < 1:
+            raise ValueError(
+                f"expected a depth of at least {shallowest_total}"
+                f" for last_block_indexes {tuple(cfg.last_block_indexes)} (depth {cfg.depth}), "
+                f"got {depth}"
+            )
+        ends = [sum(lengths[: i + 1]) - 1 for i in range(len(lengths))]
+        return {"depth": depth, "last_block_indexes": tuple(ends if closed else ends[:-1])}
+    if "depth" in names:
+        return {"depth": depth}
+    raise ValueError(f"model config {type(cfg).__name__} has no depth field; omit --depths")
+
+
+def model_depth(model: nn.Module) -> Optional[int]:
+    """Blocks in total: the config's ``depths`` summed or ``depth``, else the model's
+    ``blocks`` or its stages' (timm's models); ``None`` where none of these exists."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        if getattr(cfg, "depths", None) is not None:
+            return int(sum(cfg.depths))
+        if getattr(cfg, "depth", None) is not None:
+            return int(cfg.depth)
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return len(blocks)
+    depths = [len(s.blocks) for s in getattr(model, "stages", getattr(model, "layers", []))
+              if isinstance(getattr(s, "blocks", None), (nn.ModuleList, nn.Sequential))]
+    return sum(depths) if depths else None

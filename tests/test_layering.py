@@ -1,0 +1,265 @@
+"""pareprop's modules import only downward, in a fixed layer order, and never in a circle.
+
+The order (lowest first; README "Layout" is the same map):
+
+    engine -> engine tools -> layers -> models -> catalog -> memory and budget
+    -> checkpoint, data, plots -> bench and trainer -> pareprop (the public API) -> cli
+
+A module may import its own layer or a lower one. Every import counts, including those inside
+functions (which once hid two import circles); importing ``pareprop.a.b`` also runs the
+package ``pareprop.a``'s ``__init__``, so it counts as an import of that package too (as Python
+runs it). A function-local import of a pareprop module is refused outright: a function-local
+import is only for an optional or heavy third-party module (matplotlib, FakeTensor, FSDP...).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, List, Set, Tuple
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "pareprop"
+
+# Lowest first. A name stands for a module or a package (with every module inside it).
+LAYERS: List[Tuple[str, ...]] = [
+    ("pareprop.engine",),  # the core: imports nothing of pareprop
+    # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
+    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
+    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),
+    ("pareprop.layers",),
+    ("pareprop.models",),
+    ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
+    ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
+    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots"),
+    ("pareprop.bench", "pareprop.trainer"),
+    ("pareprop",),  # __init__.py: the public API, re-exported
+    ("pareprop.cli", "pareprop.__main__"),
+]
+
+
+def _module_names() -> Dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _module_names()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _layer(name: str) -> int:
+    best, index = "", None
+    for i, names in enumerate(LAYERS):
+        for prefix in names:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, index = prefix, i
+    assert index is not None, f"{name} is in no layer of tests/test_layering.py: place it"
+    return index
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(module: str, node: ast.AST) -> List[str]:
+    """The pareprop modules an import statement runs, as Python runs them."""
+    if isinstance(node, ast.Import):
+        named = [a.name for a in node.names]
+    else:
+        base = _resolve(module, node)
+        # ``from pkg import name``: a submodule when ``pkg.name`` is one, else an attribute.
+        named = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                 for a in node.names]
+    out = []
+    for name in named:
+        if name != "pareprop" and not name.startswith("pareprop."):
+            continue
+        parts = name.split(".")
+        while ".".join(parts) not in MODULES:  # ``import pareprop.x.attr`` -> pareprop.x
+            parts.pop()
+        # Each package on the way runs its __init__ -- except pareprop itself, which runs
+        # before anything, and the packages that hold the importing module (already running).
+        for i in range(2, len(parts) + 1):
+            target = ".".join(parts[:i])
+            if module == target or module.startswith(target + "."):
+                continue
+            if i < len(parts) or target != module:
+                out.append(target)
+        if name == "pareprop":
+            out.append("pareprop")
+    return list(dict.fromkeys(out))
+
+
+def _imports() -> Tuple[Dict[str, Set[str]], List[str]]:
+    """Import graph of pareprop's modules, and the function-local imports of pareprop."""
+    graph: Dict[str, Set[str]] = {m: set() for m in MODULES}
+    local: List[str] = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        in_function = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                in_function.update(id(n) for n in ast.walk(fn) if n is not fn)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            targets = _targets(module, node)
+            graph[module].update(targets)
+            if targets and id(node) in in_function:
+                local.append(f"{path.relative_to(SRC)}:{node.lineno} imports {targets[-1]}")
+    return graph, local
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One circle through each strongly connected group of modules (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    groups: List[Set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    circles = []
+    for group in groups:  # the shortest way back to the start, for a readable message
+        start = min(group)
+        paths = {start: [start]}
+        frontier = [start]
+        circle = None
+        while frontier and circle is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & group):
+                    if w == start:
+                        circle = paths[v] + [start]
+                        break
+                    if w not in paths:
+                        paths[w] = paths[v] + [w]
+                        nxt.append(w)
+                if circle:
+                    break
+            frontier = nxt
+        circles.append(circle or sorted(group))
+    return circles
+
+
+def _tangles(graph: Dict[str, Set[str]]) -> List[str]:
+    out = []
+    for circle in _cycles(graph):
+        group = _group_of(graph, circle[0])
+        out.append(" -> ".join(circle) + f"\n    ({len(group)} modules in this tangle: "
+                   + ", ".join(sorted(group)) + ")")
+    return out
+
+
+def _group_of(graph: Dict[str, Set[str]], start: str) -> Set[str]:
+    def reach(g: Dict[str, Set[str]]) -> Set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for w in g[todo.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    reverse: Dict[str, Set[str]] = {v: set() for v in graph}
+    for v, ws in graph.items():
+        for w in ws:
+            reverse.setdefault(w, set()).add(v)
+    return reach(graph) & reach(reverse)
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        _layer(name)
+
+
+def test_no_import_circle():
+    tangles = _tangles(_imports()[0])
+    assert not tangles, "import circles among pareprop's modules:\n" + "\n".join(tangles)
+
+
+def test_imports_only_go_down():
+    graph, _ = _imports()
+    upward = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+              for m in sorted(graph) for t in sorted(graph[m]) if _layer(t) > _layer(m)]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_function_local_import_of_pareprop():
+    _, local = _imports()
+    assert not local, (
+        "function-local imports of pareprop modules (import at the top; a function-local "
+        "import is for an optional or heavy third-party module only):\n" + "\n".join(local))
+
+
+def _unit(name: str) -> str:
+    # A top-level module or package: pareprop.bench.measure -> pareprop.bench.
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_import_of_another_packages_private_names():
+    # ``from pareprop.layers._config import make_config`` in models/, or a ``_name`` of another
+    # package: what a package keeps private is for its own modules.
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node)
+                named = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                continue
+            for name in named:
+                parts = name.split(".")
+                if parts[0] != "pareprop" or _unit(name) == _unit(module):
+                    continue
+                if any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} imports {name}")
+    assert not found, "imports of another package's private names:\n" + "\n".join(found)
+
+
+def test_the_guard_sees_a_circle_and_an_upward_import():
+    graph = {"pareprop.engine": {"pareprop.budget"}, "pareprop.budget": {"pareprop.engine"}}
+    assert _cycles(graph) == [["pareprop.budget", "pareprop.engine", "pareprop.budget"]]
+    assert _layer("pareprop.budget") > _layer("pareprop.engine")
+    assert _layer("pareprop.memory.plan") == _layer("pareprop.budget")
+    tree = ast.parse("from pareprop.memory.saved import storage_key")
+    assert _targets("pareprop.budget", tree.body[0]) == ["pareprop.memory", "pareprop.memory.saved"]
+    tree = ast.parse("from pareprop.models import vit")
+    assert _targets("pareprop.models._registry", tree.body[0]) == ["pareprop.models.vit"]
