@@ -3,7 +3,6 @@
 from pareprop.budget import MemoryPlan, set_engine, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
-from pareprop.convert import convert
 from pareprop.coupling import CouplingSchedule, coupling_of, set_coupling
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
@@ -20,6 +19,7 @@ from pareprop.memory import (
     plan_memory,
 )
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
+from pareprop.models.converted_vit import convert
 from pareprop.precision_guard import GuardReport, PrecisionGuard
 
 __version__ = "0.1.0"

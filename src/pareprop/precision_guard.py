@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from pareprop import engine as _engine
 from pareprop.engine import ReversibleStack, skip_scale
-from pareprop.memory import activation_bytes
 
 __all__ = ["GuardReport", "PrecisionGuard", "measure_rebuild_errors"]
 
@@ -47,6 +46,27 @@ def _relative_error(a: Tensor, b: Tensor) -> float:
     if not math.isfinite(diff):
         return math.inf
     return diff / (scale if scale > 0 else 1.0)
+
+
+def _saved_bytes(fn: Callable[[], Any]) -> int:
+    """Bytes autograd keeps for the backward of ``fn()``, once per storage, parameters left
+    out: pareprop.activation_bytes's count, which the layer order (README "Layout") keeps out
+    of reach here; the guard needs only real tensors, so addresses identify storages."""
+    saved: Dict[Tuple[str, int], int] = {}
+    alive = []  # keeps each counted storage alive, so no address is reused while counting
+
+    def pack(t: Tensor) -> Tensor:
+        if not isinstance(t, nn.Parameter) and t.untyped_storage().nbytes() > 0:
+            storage = t.untyped_storage()
+            saved[(str(t.device), storage.data_ptr())] = storage.nbytes()
+            alive.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = fn()
+    del output
+    alive.clear()
+    return sum(saved.values())
 
 
 def _beta_value(block: nn.Module) -> float:
@@ -256,5 +276,5 @@ class PrecisionGuard:
         devices = [x1.device] if x1.device.type == "cuda" else []
         x1, x2 = _engine._full_precision_streams(x1.detach(), x2.detach())
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return activation_bytes(
+            return _saved_bytes(
                 lambda: _engine._store(stack.blocks[0], x1, x2, kwargs, keep_x1=False))

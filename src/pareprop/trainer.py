@@ -56,6 +56,7 @@ from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
 from pareprop.engine import ENGINES
+from pareprop.finetune import apply_convert_options, make_coupling_schedule
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
 
@@ -121,8 +122,6 @@ class TrainConfig:
     coupling_steps: Optional[int] = None  # None: one epoch
 
     def __post_init__(self) -> None:
-        from pareprop.finetune import apply_convert_options
-
         apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
@@ -386,8 +385,6 @@ class Trainer:
             t_in_epochs=False,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
-        from pareprop.finetune import make_coupling_schedule
-
         self.coupling = make_coupling_schedule(cfg, model, self.steps_per_epoch)
 
         self.epoch, self.step = 0, 0

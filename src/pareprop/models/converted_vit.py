@@ -22,18 +22,23 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+import timm
 import torch
 import torch.nn as nn
+from timm.models import load_state_dict
 from timm.models._features import feature_take_indices
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
+from pareprop.coupling import set_coupling
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.models._base import ReversibleModelMixin, make_head
 from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
+from pareprop.precision_guard import PrecisionGuard
 
 __all__ = [
-    "ConvertedViT", "ConvertedBlock", "UnsupportedModelError", "check_convertible", "converted_vit"
+    "ConvertedViT", "ConvertedBlock", "UnsupportedModelError", "check_convertible", "convert",
+    "converted_vit", "load_timm_weights",
 ]
 
 
@@ -286,6 +291,35 @@ def _our_names(state_dict, prefix, local_metadata, strict, missing_keys, unexpec
         state_dict[prefix + _OURS + key[len(timms):] if key.startswith(timms) else key] = value
 
 
+def convert(
+    model: nn.Module,
+    engine: str = "reversible",
+    tolerance: Optional[float] = 1e-3,
+    guard_every: int = 100,
+) -> ConvertedViT:
+    """Rewire a timm ``VisionTransformer`` into a dual-residual reversible model.
+
+    The result shares ``model``'s parameters (copy it first to keep the original apart), keeps
+    timm's parameter names in its state dict, and starts at (alpha, beta) = (1, 0): its logits
+    equal ``model``'s to the bit in float32. Move the coupling with
+    :func:`pareprop.set_coupling` or :class:`pareprop.CouplingSchedule`.
+
+    Args:
+        model: a timm ``VisionTransformer`` with pre-norm two-branch blocks (vit_*, deit_*,
+            class token or not, register tokens, layer scale, any pooling). Anything else
+            raises :class:`~pareprop.models.converted_vit.UnsupportedModelError` with the reason.
+        engine: the backward engine of the stack.
+        tolerance: the precision guard's tolerance on rebuilt inputs (see
+            :class:`pareprop.PrecisionGuard`); None attaches no guard (then only beta = 0 is
+            stored, and a small beta can give wrong gradients).
+        guard_every: the guard measures again after this many training steps.
+    """
+    converted = ConvertedViT(model, engine=engine).train(model.training)
+    if tolerance is not None:
+        PrecisionGuard(converted, tolerance=tolerance, every=guard_every)
+    return converted
+
+
 # -- a named model, so create_model, checkpoints and the trainer can build one ---------------
 
 @register_model(timm=False)
@@ -304,11 +338,6 @@ def converted_vit(
     here, so a checkpoint rebuilds the model at the coupling it was saved at.
     ``tolerance``: of the precision guard (None: no guard).
     """
-    import timm
-
-    from pareprop.convert import convert
-    from pareprop.coupling import set_coupling
-
     vit = timm.create_model(source, **timm_kwargs)
     if pretrained_file is not None:
         load_timm_weights(vit, pretrained_file)
@@ -324,9 +353,6 @@ def load_timm_weights(model: VisionTransformer, path: str) -> None:
     weights_only=True) through timm's own ViT checkpoint filter (which adapts other layouts
     and resamples position embeddings). A classifier of another class count is left out: the
     model keeps its fresh head. Every other tensor must match."""
-    from timm.models import load_state_dict
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
     state = checkpoint_filter_fn(load_state_dict(path), model)
     own = model.state_dict()
     head = [k for k in ("head.weight", "head.bias")
