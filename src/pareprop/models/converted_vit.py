@@ -250,12 +250,11 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
         intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """One feature, the stack's end (a block's output inside the stack is never kept):
-        patch tokens as a map, prefix tokens dropped; ``norm`` applies the final norm."""
+        patch tokens after timm's final norm as a map, prefix tokens dropped."""
         check_output_fmt(output_fmt)
         take, _ = feature_take_indices(1, indices)
-        tokens = self.forward_features(x)
-        y = tokens if norm else tokens  # forward_features already applies timm's final norm
-        y = y[:, self.num_prefix_tokens:]
+        tokens = self.forward_features(x)  # timm's final norm applied, so ``norm`` is moot
+        y = tokens[:, self.num_prefix_tokens:]
         H, W = self.patch_embed.dynamic_feat_size(x.shape[-2:]) if hasattr(
             self.patch_embed, "dynamic_feat_size") else self.patch_embed.grid_size
         y = y.reshape(y.shape[0], H, W, y.shape[-1])
