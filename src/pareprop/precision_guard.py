@@ -32,7 +32,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop import engine as _engine
 from pareprop.engine import ReversibleStack, skip_scale
 
 __all__ = ["GuardReport", "PrecisionGuard", "measure_rebuild_errors"]
@@ -69,6 +68,22 @@ def _saved_bytes(fn: Callable[[], Any]) -> int:
     return sum(saved.values())
 
 
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype active for ``device_type``, or None (torch >= 2.4 signatures)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
+    # As the stack does (NOTE [ Streams in float32 under autocast ] in engine.py): low-precision
+    # streams are widened under autocast.
+    x1, x2 = x1.detach(), x2.detach()
+    if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_dtype(x1.device.type):
+        return x1.float(), x2.float()
+    return x1, x2
+
+
 def _beta_value(block: nn.Module) -> float:
     return getattr(block, "_skip_scale_value", 1.0) if skip_scale(block) is not None else 1.0
 
@@ -87,11 +102,11 @@ def measure_rebuild_errors(
     stack.train(False)  # no dropout: its masks would hide the rounding being measured
     try:
         with torch.no_grad():
-            x1, x2 = _engine._full_precision_streams(x1.detach(), x2.detach())
+            x1, x2 = _streams(x1, x2)
             inputs = []
             for block in blocks:
                 inputs.append((x1, x2))
-                x1, x2 = _engine._couple(block, x1, x2, kwargs)
+                x1, x2 = block(x1, x2, **kwargs)  # the coupling, skip scale included
             errors = [math.nan] * len(blocks)
             stored: List[int] = []
             y1, y2 = x1, x2
@@ -100,8 +115,11 @@ def measure_rebuild_errors(
                 if _beta_value(block) == 0.0:
                     error = math.inf
                 else:
-                    r2 = _engine._unskip(beta, y2 - block.g(y1, **kwargs))
-                    r1 = _engine._unskip(beta, y1 - block.f(r2, **kwargs))
+                    # the engines' inversion: X2 = (Y2 - G(Y1)) / beta, X1 = (Y1 - F(X2)) / beta
+                    r2 = y2 - block.g(y1, **kwargs)
+                    r2 = r2 if beta is None else r2 / beta
+                    r1 = y1 - block.f(r2, **kwargs)
+                    r1 = r1 if beta is None else r1 / beta
                     true1, true2 = inputs[index]
                     error = _relative_error(r2, true2)
                     if index > 0:
@@ -244,8 +262,8 @@ class PrecisionGuard:
     def measure(self, index: int, stack: ReversibleStack, x1: Tensor, x2: Tensor,
                 kwargs: Dict[str, Any]) -> GuardReport:
         alpha, beta = _coupling_of(stack)
-        enabled, amp = _engine._autocast_state(x1.device.type)
-        dtype = str(amp if enabled else x1.dtype).replace("torch.", "")
+        amp = _autocast_dtype(x1.device.type)
+        dtype = str(amp if amp is not None else x1.dtype).replace("torch.", "")
         depth = len(stack.blocks)
         if beta == 0.0:
             errors, guarded = [math.nan] * depth, list(range(depth))
@@ -274,7 +292,9 @@ class PrecisionGuard:
         # The activations the first block keeps when stored, on this batch (the blocks of a
         # converted ViT are all alike).
         devices = [x1.device] if x1.device.type == "cuda" else []
-        x1, x2 = _engine._full_precision_streams(x1.detach(), x2.detach())
+        x1, x2 = _streams(x1, x2)
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return _saved_bytes(
-                lambda: _engine._store(stack.blocks[0], x1, x2, kwargs, keep_x1=False))
+            # The block's coupling with a graph: what a stored block's graph saves; it also
+            # keeps F's and G's outputs (NOTE [ Stored blocks ]), two stream-sized tensors.
+            graph = _saved_bytes(lambda: stack.blocks[0](x1, x2, **kwargs))
+        return graph + 2 * x1.numel() * x1.element_size()
