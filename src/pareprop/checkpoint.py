@@ -307,6 +307,12 @@ def _resolve(path: PathLike) -> str:
         # A run directory: resume from its last checkpoint.
         if os.path.exists(os.path.join(path, "last", META)):
             return os.path.realpath(os.path.join(path, "last"))
+        if os.path.exists(os.path.join(path, "config.json")):
+            raise CheckpointError(
+                f"run directory {path!r} has no complete checkpoint yet (no 'last'; the run "
+                "stopped before its first save): start it again, with --overwrite to replace "
+                "what it left"
+            )
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
     if not os.path.isdir(path):

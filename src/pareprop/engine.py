@@ -298,6 +298,34 @@ def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str
     return out
 
 
+# NOTE [ Module modes in recomputation ]
+# A module's training flag is part of what its forward computed: dropout and drop-path draw
+# only in training mode. A model switched to eval between forward and backward (a validation
+# pass in between) must not change what recomputation computes, so forward records the flag of
+# every module of each block and recomputation runs under those flags, restoring the current
+# ones after the block.
+
+
+@dataclass(frozen=True)
+class _ModeState:
+    flags: Tuple[Tuple[nn.Module, bool], ...]
+
+    @staticmethod
+    def capture(block: nn.Module) -> "_ModeState":
+        return _ModeState(tuple((m, m.training) for m in block.modules()))
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        changed = [(m, m.training) for m, want in self.flags if m.training != want]
+        for m, now in changed:
+            m.training = not now
+        try:
+            yield
+        finally:
+            for m, now in changed:
+                m.training = now
+
+
 @dataclass
 class _BlockRecord:
     """What forward leaves for one block's recomputation (and for the debug check)."""
@@ -305,6 +333,7 @@ class _BlockRecord:
     f_rng: Optional[_RngState]  # None for a stored block, which is not recomputed
     g_rng: Optional[_RngState]
     inputs: Optional[Tuple[Tensor, Tensor]] = None
+    modes: Optional[_ModeState] = None
 
 
 def _couple(
@@ -324,7 +353,7 @@ def _couple(
     g_rng = _RngState.capture(x2.device)
     y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
-    records.append(_BlockRecord(f_rng, g_rng, inputs))
+    records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
 
 
@@ -349,6 +378,7 @@ class _Plan:
     device: torch.device
     autocast: _AutocastState
     backends: _BackendState
+    keywords: "_KeywordVersions"
     # Per block: True when the block keeps its graph from forward (see NOTE [ Stored blocks ]).
     stored: Sequence[bool]
     # Per block: its skip scale at forward as (buffer, version), None for beta = 1 (NOTE
@@ -373,6 +403,50 @@ class _ParamLocation:
     name: str
     tensor: Tensor
     version: int
+
+
+# NOTE [ Keyword tensors in recomputation ]
+# Keyword inputs of a stack (attention masks, window masks) are used again, as they are then,
+# when backward recomputes F and G. One refilled in place between forward and backward (a
+# reused mask buffer; ``mask.bool()`` of a bool tensor is the tensor itself) would make the
+# recomputation differ from the forward and the gradients silently wrong. A private copy would
+# cost memory on every forward for a rare mistake, so, as for parameters, forward records each
+# tensor's version and recomputation refuses a changed one.
+
+
+def _keyword_tensors(value: Any, key: str) -> Iterator[Tuple[str, Tensor]]:
+    if isinstance(value, Tensor):
+        yield key, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _keyword_tensors(item, f"{key}[{i}]")
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _keyword_tensors(item, f"{key}[{k!r}]")
+
+
+@dataclass(frozen=True)
+class _KeywordVersions:
+    versions: Tuple[Tuple[str, Tensor, int], ...]
+
+    @staticmethod
+    def capture(kwargs: Dict[str, Any]) -> "_KeywordVersions":
+        return _KeywordVersions(tuple(
+            (key, t, t._version)
+            for name, value in kwargs.items()
+            for key, t in _keyword_tensors(value, name)
+            if not t.is_inference()  # inference tensors have no version (and cannot change)
+        ))
+
+    def check(self, index: int, block: nn.Module) -> None:
+        for key, t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"keyword input {key!r} of the stack was modified in place between forward "
+                    f"and backward (a reused buffer refilled?); the reversible engines recompute "
+                    f"block {index} ({type(block).__name__}) with it, so its gradients would be "
+                    "wrong: pass a new tensor (or a .clone()) to each forward"
+                )
 
 
 # NOTE [ Recomputing with the forward's parameters ]
@@ -443,8 +517,9 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
     if plan.stored[index]:
         return _take_stored(plan, index)
     block, record = plan.blocks[index], plan.records[index]
+    plan.keywords.check(index, block)
     with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
-            _forward_parameters(plan, index):
+            record.modes.replay(), _forward_parameters(plan, index):
         y1 = y1.detach().requires_grad_(True)
         record.g_rng.restore(plan.device)
         g_out = _call_checked(block, "g", y1, plan.kwargs)
@@ -861,7 +936,7 @@ class ReversibleStack(nn.Module):
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
-        x1, x2 = _full_precision_streams(x1, x2)
+        x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             for block in self.blocks:
                 # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
@@ -896,6 +971,7 @@ class ReversibleStack(nn.Module):
             device=x1.device,
             autocast=_AutocastState.capture(x1.device),
             backends=_BackendState.capture(),
+            keywords=_KeywordVersions.capture(kwargs),
             stored=stored,
             betas=_forward_betas(self.blocks, stored),
             debug_tolerance=tolerance,
@@ -989,15 +1065,25 @@ def _check_streams(x1: Tensor, x2: Tensor) -> None:
         )
 
 
-def _full_precision_streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _full_precision_streams(
+    x1: Tensor, x2: Tensor, blocks: Iterable[nn.Module]
+) -> Tuple[Tensor, Tensor]:
     # NOTE [ Streams in float32 under autocast ]
     # Inversion subtracts F and G from the streams; rounding the streams themselves to 8 bits
     # of mantissa would lose far more than F and G's own low precision. So under autocast the
     # streams are float32 (the sums X + F(X) promote to it) while F and G compute in the
     # autocast dtype. An input that arrives in low precision (from a conv or linear under
-    # autocast) is widened here.
-    if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_state(x1.device.type)[0]:
-        return x1.float(), x2.float()
+    # autocast) is widened here. Not when the weights themselves are in low precision
+    # (create_model(..., dtype=torch.bfloat16)): the norms would then meet float32 inputs with
+    # bfloat16 weights, which CPU kernels refuse, and such a model is low precision throughout
+    # anyway, so its streams stay in the weights' dtype, as in timm's models.
+    if x1.dtype in _LOW_PRECISION and _autocast_state(x1.device.type)[0]:
+        weight = next((p for b in blocks for p in b.parameters() if p.is_floating_point()), None)
+        if weight is None or weight.dtype not in _LOW_PRECISION:
+            return x1.float(), x2.float()
     return x1, x2
 
 

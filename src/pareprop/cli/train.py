@@ -11,11 +11,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pareprop.checkpoint import CheckpointError
 from pareprop.data import DatasetNotFoundError
-from pareprop.trainer import AMP_MODES, PRESETS, NonFiniteLossError, TrainConfig, train
+from pareprop.trainer import (
+    AMP_MODES,
+    PRESETS,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingInterrupted,
+    train,
+)
 
 __all__ = ["main", "build_parser", "resolve_config"]
 
@@ -86,7 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, help="autocast: none, bf16 (CPU/GPU), fp16 (GPU)")
     p.add_argument("--seed", type=int, help=f"(default {d.seed})")
     p.add_argument("--out", help=f"run directory: checkpoints, metrics.jsonl (default {d.out})")
-    p.add_argument("--resume", help="checkpoint to resume from (OUT/last, OUT/best, or OUT)")
+    p.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        help="let a new run use an --out that holds a previous run, deleting that run's "
+        "checkpoints, links and metrics (off: such an --out is refused)",
+    )
+    p.add_argument(
+        "--resume",
+        help="continue a run: its directory (OUT) or OUT/last; the run's own options are "
+        "restored, and --epochs, --stop-after-epochs, --max-steps, --engine, the device and "
+        "the like may change (docs/training.md)",
+    )
     p.add_argument(
         "--eval-only",
         action=argparse.BooleanOptionalAction,
@@ -154,6 +172,11 @@ def _parse_model_args(items: List[str]) -> Dict[str, Any]:
 
 def resolve_config(argv: Sequence[str]) -> TrainConfig:
     """Parse ``argv`` on top of ``--config`` on top of the defaults."""
+    return resolve_options(argv)[0]
+
+
+def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
+    """The configuration of ``argv`` and the names of the options it (or its file) sets."""
     ns = vars(build_parser().parse_args(list(argv)))
     values: Dict[str, Any] = {}
     if "config" in ns:
@@ -172,20 +195,26 @@ def resolve_config(argv: Sequence[str]) -> TrainConfig:
         if not isinstance(base, dict):
             raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
         values["model_kwargs"] = {**base, **model_args}
-    return TrainConfig.from_dict(values)
+    return TrainConfig.from_dict(values), set(values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = resolve_config(argv)
+        cfg, given = resolve_options(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return int(e.code or 0)
     except (ValueError, TypeError) as e:
         print(f"pareprop train: error: {e}", file=sys.stderr)
         return 2
     try:
-        train(cfg)
+        train(cfg, given)
+    except TrainingInterrupted as e:
+        print(f"pareprop train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("pareprop train: interrupted before training started", file=sys.stderr)
+        return 130
     except NonFiniteLossError as e:
         print(f"pareprop train: stopped: {e}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from pareprop.engine import ReversibleStack
 from pareprop.models._features import StageFeatureNet
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec",
@@ -32,8 +33,9 @@ __all__ = ["register_model", "create_model", "list_models", "is_model", "model_s
 _MODEL_FACTORIES: Dict[str, Callable[..., nn.Module]] = {}
 
 # Keywords timm's create_model passes to every factory; they describe pretrained weights, of
-# which pareprop ships none.
-_TIMM_KEYWORDS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+# which pareprop ships none. pretrained_cfg_overlay is applied to the model's pretrained_cfg
+# (mean/std overrides reach timm's resolve_data_config).
+_TIMM_KEYWORDS = ("pretrained_cfg", "cache_dir")
 
 
 def register_model(
@@ -59,6 +61,9 @@ def register_model(
     ) -> nn.Module:
         for key in _TIMM_KEYWORDS:
             overrides.pop(key, None)
+        overlay = overrides.pop("pretrained_cfg_overlay", None) or {}
+        if not isinstance(overlay, dict):
+            raise ValueError(f"expected pretrained_cfg_overlay to be a dict, got {overlay!r}")
         if pretrained:
             raise ValueError(
                 f"pareprop ships no pretrained weights for {name!r}; "
@@ -73,9 +78,12 @@ def register_model(
                 model = fn(**overrides)
         if dtype is not None:
             model.to(dtype=dtype)
+        if overlay:
+            model.pretrained_cfg.update(overlay)  # default_cfg is the same dict
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).
         model.model_name = name
         model.model_kwargs = dict(overrides)
+        model._created_engine = _engine_of(model)  # model_spec records a later change
         if features_only:
             return _feature_net(model, out_indices)
         if out_indices is not None:
@@ -146,4 +154,15 @@ def model_spec(model: nn.Module) -> Dict[str, Any]:
     name = getattr(model, "model_name", None)
     if name is None or name not in _MODEL_FACTORIES:
         raise ValueError("model was not created by pareprop.create_model, so it has no spec")
-    return {"name": name, "kwargs": dict(getattr(model, "model_kwargs", {}))}
+    kwargs = dict(getattr(model, "model_kwargs", {}))
+    # An engine set after creation (set_engine) is part of the model as it runs now.
+    engine = _engine_of(model)
+    if engine is not None and engine != getattr(model, "_created_engine", engine):
+        kwargs["engine"] = engine
+    return {"name": name, "kwargs": kwargs}
+
+
+def _engine_of(model: nn.Module) -> Optional[str]:
+    """The engine of the model's reversible stacks, when they share one."""
+    engines = {m.engine for m in model.modules() if isinstance(m, ReversibleStack)}
+    return engines.pop() if len(engines) == 1 else None
