@@ -60,6 +60,7 @@ from pareprop.checkpoint import atomic_write
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
 from pareprop.engine import ENGINES
+from pareprop.finetune import apply_convert_options, make_coupling_schedule
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
 
@@ -122,8 +123,14 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
+    # Fine-tune a timm ViT converted to a reversible coupling (pareprop.finetune).
+    convert_from: Optional[str] = None
+    pretrained_file: Optional[str] = None
+    coupling_schedule: str = "cosine"
+    coupling_steps: Optional[int] = None  # None: one epoch
 
     def __post_init__(self) -> None:
+        apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum"):
@@ -479,6 +486,7 @@ class Trainer:
             t_in_epochs=False,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+        self.coupling = make_coupling_schedule(cfg, self.model, self.steps_per_epoch)
 
     def _apply_memory_budget(self, model: nn.Module):
         """Store the blocks that fit ``--memory-budget``, measured on one training batch of the
@@ -513,6 +521,8 @@ class Trainer:
         self.epoch, self.step = int(st["epoch"]), int(st["step"])
         self._load_schedule(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
+        if self.coupling is not None and "coupling" in st:
+            self.coupling.load_state_dict(st["coupling"])
         self.best = dict(st["best"])
         self.last_checkpoint = ck.path
         rngs = st["rng"]
@@ -580,6 +590,7 @@ class Trainer:
             "optimizer_layout": layout,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            **({"coupling": self.coupling.state_dict()} if self.coupling is not None else {}),
             "epoch": self.epoch,
             "step": self.step,
             "best": dict(self.best),
@@ -672,6 +683,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.scheduler.step_update(num_updates=self.step)
+        if self.coupling is not None:
+            self.coupling.step()
 
     def train_epoch(self) -> Dict[str, Any]:
         from tqdm import tqdm

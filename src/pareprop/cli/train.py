@@ -121,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
+                   "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
+    p.add_argument("--pretrained-file", help="timm weights for --convert-from (safetensors, "
+                   "or a torch file read with weights_only=True)")
+    p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
+                   help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
+                   "(cosine); reversible: (0, 1) from the first step")
+    p.add_argument("--coupling-steps", type=int, help="optimizer steps the schedule takes "
+                   "(default: one epoch)")
     p.add_argument(
         "--fsdp",
         action=argparse.BooleanOptionalAction,
@@ -180,7 +189,8 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
         base = values.get("model_kwargs")
         if base is None:
             d = TrainConfig()
-            key = (values.get("model", d.model), values.get("dataset", d.dataset))
+            model = "converted_vit" if values.get("convert_from") else values.get("model", d.model)
+            key = (model, values.get("dataset", d.dataset))
             base = PRESETS.get(key, {})
         if not isinstance(base, dict):
             raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
