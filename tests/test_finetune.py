@@ -1,134 +1,112 @@
-"""Fine-tuning support: every family's group_matcher orders its layers, timm's optimizer
-factory gives layer-wise learning-rate factors, and the initial weights keep a fresh head."""
+"""Fine-tuning a converted timm ViT: create_model("converted_vit") with timm weights from a
+file, `pareprop train --convert-from`, the coupling schedule stepped by the trainer, its state
+in checkpoints, and exact resume."""
 
-from __future__ import annotations
-
-import math
+import json
+import os
 
 import pytest
+import timm
 import torch
-from timm.models import group_parameters
+from safetensors.torch import save_file
 
 import pareprop
-from pareprop.finetune import create_finetune_optimizer, load_initial_weights
+from pareprop.checkpoint import load_checkpoint, load_model
+from pareprop.cli.train import main, resolve_config
+from pareprop.trainer import TIMING_KEYS, TrainConfig, Trainer
 
-TINY = {
-    "rev_vit_tiny_patch4_32": dict(depth=3),
-    "rev_mvit_base": dict(img_size=32, embed_dim=8, depth=6, transition_blocks=(1, 3)),
-    "rev_mvitv2_tiny_32": dict(embed_dim=8),
-    "rev_swin_tiny_32": dict(embed_dim=8, depths=(1, 2), num_heads=(1, 2), window=4,
-                             img_size=16, patch_size=2),
-    "rev_roberta_small": dict(depth=3, embed_dim=16, num_heads=2, vocab_size=50, mlp_dim=32,
-                              max_position_embeddings=16, example_seq_len=8),
-}
+SOURCE = "vit_tiny_patch16_224"
+TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, depth=2, num_heads=2)
 
 
-def _layers(model):
-    return group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+def _pretrained(tmp_path, num_classes=5):
+    torch.manual_seed(0)
+    source = timm.create_model(SOURCE, num_classes=num_classes, **TINY)
+    path = str(tmp_path / "timm.safetensors")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
+    return source.eval(), path
 
 
-@pytest.mark.parametrize("name", list(TINY))
-def test_group_matcher_orders_every_block(name):
-    model = pareprop.create_model(name, **TINY[name])
-    layer = _layers(model)
-    names = [n for n, _ in model.named_parameters()]
-    assert set(layer) == set(names)
-    top = max(layer.values())
-    stem = [n for n in names if layer[n] == 0]
-    assert stem and all(not n.startswith(("head", "norm")) for n in stem)
-    assert all(layer[n] == top for n in names if n.startswith("head"))
-    # The blocks' parameters are registered in depth order in every family.
-    blocks = [layer[n] for n in names if 0 < layer[n] < top and not n.startswith("norm")]
-    # timm's (99999,) suffix puts the final norm in the last block's group.
-    assert all(layer[n] == max(blocks) for n in names if n.startswith("norm."))
-    assert blocks == sorted(blocks) and len(set(blocks)) >= 3
+def test_converted_model_from_a_timm_weights_file(tmp_path):
+    source, path = _pretrained(tmp_path)
+    model = pareprop.create_model("converted_vit", source=SOURCE, pretrained_file=path,
+                                  num_classes=5, **TINY).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    # another class count: the pretrained body, a fresh head (timm's loader)
+    other = pareprop.create_model("converted_vit", source=SOURCE, pretrained_file=path,
+                                  num_classes=3, **TINY).eval()
+    assert other(x).shape == (2, 3)
+    with torch.no_grad():
+        assert torch.equal(other.forward_features(x), source.forward_features(x))
 
 
-def test_layer_decay_scales_learning_rates():
-    model = pareprop.create_model("rev_mvit_base", **TINY["rev_mvit_base"])
-    opt = create_finetune_optimizer(model, lr=1e-3, weight_decay=0.05, layer_decay=0.5)
-    scales = {}
-    for g in opt.param_groups:
-        for p in g["params"]:
-            scales[p] = g["lr_scale"]
-    by_name = {n: scales[p] for n, p in model.named_parameters()}
-    assert by_name["head.weight"] == 1.0
-    assert by_name["patch_embed.proj.weight"] == pytest.approx(0.5 ** max(_layers(model).values()))
-    t1 = by_name["stages.1.transition.attn.q.weight"]
-    b1 = by_name["stages.1.stack.blocks.0.attn.q.weight"]
-    assert by_name["pos_embed"] < t1 < b1 < by_name["norm.weight"] <= 1.0
-    decays = {n: g["weight_decay"] for g in opt.param_groups for n, p in model.named_parameters()
-              if any(p is q for q in g["params"])}
-    assert decays["pos_embed"] == 0 and decays["stages.1.stack.blocks.0.norm1.bias"] == 0
-    assert decays["head.weight"] == 0.05
-    with pytest.raises(ValueError, match="layer_decay"):
-        create_finetune_optimizer(model, lr=1e-3, layer_decay=1.5)
+def _cfg(tmp_path, path, **kw):
+    base = dict(convert_from=SOURCE, pretrained_file=path, model_kwargs=dict(TINY),
+                coupling_schedule="cosine", coupling_steps=3, epochs=2, batch_size=128,
+                lr=1e-3, warmup_epochs=0, out=str(tmp_path), progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
 
 
-def test_timm_scheduler_applies_the_scales():
-    from timm.scheduler import CosineLRScheduler
-
-    model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=2)
-    opt = create_finetune_optimizer(model, lr=1e-3, layer_decay=0.5)
-    sched = CosineLRScheduler(opt, t_initial=10, warmup_t=0)
-    sched.step(0)
-    lrs = sorted({round(g["lr"], 12) for g in opt.param_groups})
-    assert lrs[-1] == pytest.approx(1e-3) and lrs[0] == pytest.approx(1e-3 * 0.5**3)
+def _epochs(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in records if r["type"] == "epoch"]
 
 
-def test_initial_weights_keep_a_fresh_head(tmp_path):
-    from test_pretrained import VIT, _slowfast_file, slowfast_vit_state
-
-    state = slowfast_vit_state()
-    path = _slowfast_file(tmp_path / "REV_VIT.pyth", state)
-    model = pareprop.create_model("rev_vit_base_patch16_224", **{**VIT, "num_classes": 10})
-    report = load_initial_weights(model, path)
-    assert report.dropped_head and model.head.out_features == 10
-    assert torch.equal(model.pos_embed, state["pos_embed"])
-    with pytest.raises(pareprop.PretrainedError, match="no published weights"):
-        load_initial_weights(pareprop.create_model("rev_vit_tiny_patch4_32"))
-
-
-DIGITS = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=32, depth=2, num_heads=2)
-
-
-def _digits_file(tmp_path):
-    from test_pretrained import _slowfast_file, slowfast_vit_state
-
-    # A published-layout file at digits size, with a 1000-class head like the real ones.
-    state = slowfast_vit_state(C=32, depth=2, patch=2, img=8, classes=1000, chans=1)
-    return _slowfast_file(tmp_path / "REV_VIT_digits.pyth", state), state
+def test_trainer_steps_the_schedule_and_checkpoints_the_coupling(tmp_path):
+    _, path = _pretrained(tmp_path)
+    trainer = Trainer(_cfg(tmp_path / "run", path, epochs=1, max_steps=2))
+    assert pareprop.coupling_of(trainer.model) == (1.0, 0.0)
+    trainer.fit()
+    alpha, beta = pareprop.coupling_of(trainer.model)
+    assert 0.0 < beta < 1.0 and alpha == pytest.approx(1 - beta)  # 2 of 3 cosine steps
+    loaded = load_model(tmp_path / "run" / "last")
+    assert pareprop.coupling_of(loaded) == pytest.approx((alpha, beta))
+    assert load_checkpoint(tmp_path / "run" / "last").train_state["coupling"]["step_count"] == 2
+    # --eval-only evaluates at the coupling the model was trained at, not the schedule's start
+    evaluator = Trainer(_cfg(tmp_path / "eval", path, resume=str(tmp_path / "run" / "last"),
+                             eval_only=True))
+    assert pareprop.coupling_of(evaluator.model) == pytest.approx((alpha, beta))
 
 
-def test_trainer_starts_from_the_file_with_a_fresh_head(tmp_path):
-    from pareprop.trainer import TrainConfig, Trainer
-
-    path, state = _digits_file(tmp_path)
-    cfg = TrainConfig(model="rev_vit_base_patch16_224", model_kwargs=dict(DIGITS),
-                      dataset="digits", pretrained_file=str(path), layer_decay=0.75,
-                      epochs=1, max_steps=1, out=str(tmp_path / "run"), progress=False)
-    trainer = Trainer(cfg)
-    model = trainer.model
-    assert model.head.out_features == 10
-    assert torch.equal(model.pos_embed, state["pos_embed"])
-    assert torch.equal(model.norm.weight, state["norm.weight"])
-    qkv = torch.cat([state[f"rev_backbone.layers.1.F.attn.{n}.weight"] for n in "qkv"])
-    assert torch.equal(model.stack.blocks[1].attn.qkv.weight, qkv)
-    scales = sorted({g["lr_scale"] for g in trainer.optimizer.param_groups})
-    assert scales[-1] == 1.0 and scales[0] == pytest.approx(0.75**3)
+def test_resume_through_the_schedule_is_exact(tmp_path):
+    _, path = _pretrained(tmp_path)
+    Trainer(_cfg(tmp_path / "full", path)).fit()
+    part = tmp_path / "part"
+    Trainer(_cfg(part, path, stop_after_epochs=1)).fit()
+    Trainer(_cfg(part, path, resume=str(part / "last"))).fit()
+    assert _epochs(part) == _epochs(tmp_path / "full")
+    a, b = load_model(tmp_path / "full" / "last"), load_model(part / "last")
+    assert pareprop.coupling_of(a) == pareprop.coupling_of(b) == (0.0, 1.0)
 
 
-def test_cli_fine_tunes_from_a_file_on_digits(tmp_path):
-    import json
+def test_cli_flags(tmp_path, capsys):
+    cfg = resolve_config(["--convert-from", SOURCE, "--coupling-schedule", "linear",
+                          "--coupling-steps", "7", "--model-arg", "depth=2"])
+    assert cfg.model == "converted_vit" and cfg.model_kwargs == {"depth": 2, "source": SOURCE}
+    assert (cfg.coupling_schedule, cfg.coupling_steps) == ("linear", 7)
+    assert main(["--convert-from", "no_such_vit", "--out", str(tmp_path)]) == 2
+    assert "not a timm model name" in capsys.readouterr().err
+    # Without --convert-from the file starts the registered model (published weights, issue 23).
+    assert main(["--pretrained-file", "x.safetensors", "--out", str(tmp_path)]) == 2
+    assert "no weight file at 'x.safetensors'" in capsys.readouterr().err
 
-    from pareprop.cli import main as cli
 
-    path, _ = _digits_file(tmp_path)
-    args = [f"--model-arg={k}={v}" for k, v in DIGITS.items()]
-    rc = cli(["train", "--model", "rev_vit_base_patch16_224", *args, "--dataset", "digits",
-              "--pretrained-file", str(path), "--num-classes", "10", "--layer-decay", "0.75",
-              "--epochs", "1", "--max-steps", "2", "--out", str(tmp_path / "run"),
-              "--no-progress"])
-    assert rc == 0
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert records and all(math.isfinite(r.get("train_loss", 0.0)) for r in records)
+def test_memory_budget_with_convert_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="precision guard chooses"):
+        TrainConfig(convert_from=SOURCE, memory_budget=0.5, out=str(tmp_path))
+
+
+def test_a_converted_model_can_be_planned():
+    # plan_memory builds by name on fake tensors: the guard cannot measure there (None).
+    plans = {}
+    for coupling in ((1.0, 0.0), (0.0, 1.0)):
+        plans[coupling] = pareprop.plan_memory(
+            "converted_vit", 2, "reversible", device="cpu", source=SOURCE, depth=2,
+            img_size=32, num_classes=10, tolerance=None, coupling=coupling)
+    # every block stored at (1, 0), none at (0, 1)
+    assert plans[(0.0, 1.0)].peak < plans[(1.0, 0.0)].peak

@@ -25,8 +25,10 @@ PACKAGE = SRC / "pareprop"
 LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.engine",),  # the core: imports nothing of pareprop
     # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
-    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
-    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),
+    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP), the
+    # skip scale's coefficients (coupling) and the precision guard of small skip scales.
+    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed",
+     "pareprop.coupling", "pareprop.precision_guard"),
     ("pareprop.layers",),
     ("pareprop.models",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts

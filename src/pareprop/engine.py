@@ -62,9 +62,63 @@ class ReversibleBlock(nn.Module):
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         """The coupling under plain autograd; stacks call ``f`` and ``g`` directly."""
-        y1 = x1 + self.f(x2, **kwargs)
-        y2 = x2 + self.g(y1, **kwargs)
+        beta = skip_scale(self)
+        y1 = _skip(beta, x1) + self.f(x2, **kwargs)
+        y2 = _skip(beta, x2) + self.g(y1, **kwargs)
         return y1, y2
+
+    def set_skip_scale(self, beta: float) -> "ReversibleBlock":
+        """Scale the skip connections of the coupling by ``beta``: Y1 = beta * X1 + F(X2),
+        Y2 = beta * X2 + G(Y1). See NOTE [ Skip scale of the coupling ]."""
+        beta = float(beta)
+        if not 0.0 <= beta < float("inf"):
+            raise ValueError(f"expected a skip scale beta >= 0, got {beta!r}")
+        self._skip_scale_value = beta
+        if "skip_scale" in self._buffers:
+            with torch.no_grad():
+                self.skip_scale.fill_(beta)  # in place: compiled code keeps reading it
+        else:
+            device = next((p.device for p in self.parameters()), None)
+            self.register_buffer(
+                "skip_scale", torch.tensor(beta, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+        return self
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        if "skip_scale" in self._buffers:  # float32 and exact through .double() or .half()
+            self.skip_scale = torch.full((), self._skip_scale_value, dtype=torch.float32,
+                                         device=self.skip_scale.device)
+        return self
+
+
+# NOTE [ Skip scale of the coupling ]
+# A block may scale its skip connections by beta (pareprop.convert starts a pretrained network
+# at beta = 0 and moves it to beta = 1):
+#     Y1 = beta * X1 + F(X2)        X2 = (Y2 - G(Y1)) / beta
+#     Y2 = beta * X2 + G(Y1)        X1 = (Y1 - F(X2)) / beta
+# and in backward dX1 = beta * dY1', dX2 = beta * dY2 + F'(X2)^T dY1', with dY1' = dY1 +
+# G'(Y1)^T dY2. beta is a float32 non-persistent buffer ``skip_scale`` changed in place
+# (ReversibleBlock.set_skip_scale), so a new value between steps rebuilds and recompiles
+# nothing; a block without the buffer has beta = 1 and runs exactly the unscaled coupling, with
+# no extra kernel. The two helpers below are the only places the engines apply it. Rebuilding
+# divides by beta, so rounding errors grow like (1 / beta)^(2 per block): the reversible engines
+# refuse beta = 0 in a recomputed block, and pareprop.PrecisionGuard stores the blocks whose
+# measured reconstruction error is too large (docs/convert.md).
+
+
+def skip_scale(block: nn.Module) -> Optional[Tensor]:
+    """The block's skip scale beta (a 0-dim float32 tensor), or None for beta = 1."""
+    return block._buffers.get("skip_scale") if isinstance(block, nn.Module) else None
+
+
+def _skip(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    return x if beta is None else beta * x
+
+
+def _unskip(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    return x if beta is None else x / beta
 
 
 def _check_engine(name: str) -> str:
@@ -290,13 +344,14 @@ def _couple(
     records: Optional[List[_BlockRecord]] = None,
     keep_inputs: bool = False,
 ) -> Tuple[Tensor, Tensor]:
+    beta = skip_scale(block)
     if records is None:
-        y1 = x1 + _call_checked(block, "f", x2, kwargs)
-        return y1, x2 + _call_checked(block, "g", y1, kwargs)
+        y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
+        return y1, _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     f_rng = _RngState.capture(x2.device)
-    y1 = x1 + _call_checked(block, "f", x2, kwargs)
+    y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
     g_rng = _RngState.capture(x2.device)
-    y2 = x2 + _call_checked(block, "g", y1, kwargs)
+    y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
     records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
@@ -326,6 +381,9 @@ class _Plan:
     keywords: "_KeywordVersions"
     # Per block: True when the block keeps its graph from forward (see NOTE [ Stored blocks ]).
     stored: Sequence[bool]
+    # Per block: its skip scale at forward as (buffer, version), None for beta = 1 (NOTE
+    # [ Skip scale of the coupling ]).
+    betas: Sequence[Optional[Tuple[Tensor, int]]] = ()
     debug_tolerance: Optional[float] = None
     records: List[_BlockRecord] = field(default_factory=list)
     # Per block: the graphs a stored block built in forward, until backward consumes them.
@@ -465,12 +523,13 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
         y1 = y1.detach().requires_grad_(True)
         record.g_rng.restore(plan.device)
         g_out = _call_checked(block, "g", y1, plan.kwargs)
+        beta = _plan_beta(plan, index)
         with torch.no_grad():
-            x2 = (y2 - g_out).requires_grad_(True)
+            x2 = _unskip(beta, y2 - g_out).requires_grad_(True)
         record.f_rng.restore(plan.device)
         f_out = _call_checked(block, "f", x2, plan.kwargs)
         with torch.no_grad():
-            x1 = y1 - f_out
+            x1 = _unskip(beta, y1 - f_out)
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     return _Rebuilt(y1, g_out, x2, f_out, x1)
@@ -506,7 +565,7 @@ def _store(
         x2_in = x2.detach().requires_grad_(True).view_as(x2)
         f_out = _call_checked(block, "f", x2_in, kwargs)
         with torch.no_grad():
-            y1 = x1 + f_out
+            y1 = _skip(skip_scale(block), x1) + f_out
         y1_in = y1.detach().requires_grad_(True).view_as(y1)
         g_out = _call_checked(block, "g", y1_in, kwargs)
     return _Rebuilt(y1_in, g_out, x2_in, f_out, x1 if keep_x1 else None)
@@ -561,12 +620,13 @@ def _grads(
     params = [p for _, p in owned]
     if plan.sharding is not None:  # a sharded block's gradients go to FSDP, not the Function
         param_grads = [None] * len(owned)
-    # Y2 = X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
+    beta = _plan_beta(plan, index)
+    # Y2 = beta X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
     g_in, *g_params = _vjp(rebuilt.g_out, [rebuilt.y1, *params], dy2)
     dy1_total = dy1 if g_in is None else dy1 + g_in
-    # Y1 = X1 + F(X2): the total dY1 flows into F, whose input gradient joins dY2.
+    # Y1 = beta X1 + F(X2): the total dY1 flows into F, whose input gradient joins beta dY2.
     f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
-    dx2 = dy2 if f_in is None else dy2 + f_in
+    dx2 = _skip(beta, dy2) if f_in is None else _skip(beta, dy2) + f_in
     for (slot, _), gg, fg in zip(owned, g_params, f_params):
         for grad in (gg, fg):
             if grad is None:
@@ -576,7 +636,7 @@ def _grads(
             param_grads[slot] = grad if previous is None else previous + grad
     if plan.sharding is not None:
         plan.sharding.reduce(index, params, param_grads)
-    return dy1_total, dx2
+    return _skip(beta, dy1_total), dx2
 
 
 # NOTE [ PaReprop on two CUDA streams ]
@@ -750,7 +810,8 @@ class _ReversibleFunction(torch.autograd.Function):
                     rebuilt = _store(block, x1, x2, plan.kwargs, keep_x1)
                 plan.graphs.append(rebuilt)
                 plan.records.append(_BlockRecord(None, None))
-                x1, x2 = rebuilt.y1.detach(), x2 + rebuilt.g_out.detach()
+                x1 = rebuilt.y1.detach()
+                x2 = _skip(skip_scale(block), x2) + rebuilt.g_out.detach()
             else:
                 plan.graphs.append(None)
                 x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
@@ -899,6 +960,7 @@ class ReversibleStack(nn.Module):
             with torch.no_grad():
                 return self.forward(x1, x2, **kwargs)
         tolerance, self._debug_tolerance = self._debug_tolerance, None
+        stored = [i in self.stored_blocks for i in range(len(self.blocks))]
         plan = _Plan(
             blocks=list(self.blocks),
             engine=self.engine,
@@ -910,7 +972,8 @@ class ReversibleStack(nn.Module):
             autocast=_AutocastState.capture(x1.device),
             backends=_BackendState.capture(),
             keywords=_KeywordVersions.capture(kwargs),
-            stored=[i in self.stored_blocks for i in range(len(self.blocks))],
+            stored=stored,
+            betas=_forward_betas(self.blocks, stored),
             debug_tolerance=tolerance,
             probe=self._probe,
             sharding=self._sharding,
@@ -933,6 +996,33 @@ class ReversibleStack(nn.Module):
             block_params.append(owned)
             block_locations.append(locations)
         return params, block_params, block_locations
+
+
+def _forward_betas(blocks: Sequence[nn.Module], stored: Sequence[bool]):
+    betas = []
+    for index, block in enumerate(blocks):
+        beta = skip_scale(block)
+        zero = getattr(block, "_skip_scale_value", 1.0) == 0.0
+        if beta is not None and not stored[index] and zero:
+            raise ValueError(
+                f"block {index} ({type(block).__name__}) has skip scale beta = 0, which the "
+                "reversible engines cannot invert (they divide by beta); store the block "
+                "(stack.store_blocks, or pareprop.PrecisionGuard) or use engine='autograd'"
+            )
+        betas.append(None if beta is None else (beta, beta._version))
+    return betas
+
+
+def _plan_beta(plan: _Plan, index: int) -> Optional[Tensor]:
+    if not plan.betas or plan.betas[index] is None:
+        return None
+    beta, version = plan.betas[index]
+    if beta._version != version:
+        raise RuntimeError(
+            f"the skip scale of block {index} ({type(plan.blocks[index]).__name__}) changed "
+            "between forward and backward; change it between steps, after backward"
+        )
+    return beta
 
 
 def _block_params(

@@ -60,7 +60,12 @@ from pareprop.checkpoint import atomic_write
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
 from pareprop.engine import ENGINES
-from pareprop.finetune import create_finetune_optimizer, load_initial_weights
+from pareprop.finetune import (
+    apply_convert_options,
+    create_finetune_optimizer,
+    load_initial_weights,
+    make_coupling_schedule,
+)
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
 
@@ -123,14 +128,20 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
-    # Fine-tuning (pareprop.finetune): start from the published weights (pretrained) or a
-    # local file (pretrained_file), with a fresh head when the class counts differ; layer_decay
-    # scales block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
+    # Fine-tuning (pareprop.finetune). From published weights: pretrained (the model's published
+    # file) or pretrained_file (a local one), with a fresh head when the class counts differ.
+    # From a timm ViT converted to a reversible coupling: convert_from, and pretrained_file is
+    # then the timm weights. layer_decay scales block i's learning rate by
+    # layer_decay ** (L - i) (timm's optimizer factory).
     pretrained: bool = False
-    pretrained_file: Optional[str] = None
     layer_decay: Optional[float] = None
+    convert_from: Optional[str] = None
+    pretrained_file: Optional[str] = None
+    coupling_schedule: str = "cosine"
+    coupling_steps: Optional[int] = None  # None: one epoch
 
     def __post_init__(self) -> None:
+        apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum"):
@@ -409,7 +420,7 @@ class Trainer:
         model = model.to(self.device)
         if resume is not None:
             ckpt_lib.load_weights(model, resume)
-        elif cfg.pretrained or cfg.pretrained_file:  # fine-tuning (pareprop.finetune)
+        elif cfg.convert_from is None and (cfg.pretrained or cfg.pretrained_file):
             load_initial_weights(model, cfg.pretrained_file, name)
         return model
 
@@ -494,6 +505,7 @@ class Trainer:
             t_in_epochs=False,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+        self.coupling = make_coupling_schedule(cfg, self.model, self.steps_per_epoch)
 
     def _apply_memory_budget(self, model: nn.Module):
         """Store the blocks that fit ``--memory-budget``, measured on one training batch of the
@@ -528,6 +540,8 @@ class Trainer:
         self.epoch, self.step = int(st["epoch"]), int(st["step"])
         self._load_schedule(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
+        if self.coupling is not None and "coupling" in st:
+            self.coupling.load_state_dict(st["coupling"])
         self.best = dict(st["best"])
         self.last_checkpoint = ck.path
         rngs = st["rng"]
@@ -595,6 +609,7 @@ class Trainer:
             "optimizer_layout": layout,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            **({"coupling": self.coupling.state_dict()} if self.coupling is not None else {}),
             "epoch": self.epoch,
             "step": self.step,
             "best": dict(self.best),
@@ -687,6 +702,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.scheduler.step_update(num_updates=self.step)
+        if self.coupling is not None:
+            self.coupling.step()
 
     def train_epoch(self) -> Dict[str, Any]:
         from tqdm import tqdm

@@ -51,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "--pretrained: a fresh head when they differ from the weights')")
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="start from the model's published weights (pareprop.finetune)")
-    p.add_argument("--pretrained-file", help="start from the weights in this file (PySlowFast, "
-                   "mmpretrain, safetensors or a pareprop checkpoint)")
     p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
                    "0.75 (timm's create_optimizer_v2; default none)")
     p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
@@ -129,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
+                   "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
+    p.add_argument("--pretrained-file", help="start from the weights in this file: published "
+                   "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
+                   "with --convert-from, the timm weights (read with weights_only=True)")
+    p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
+                   help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
+                   "(cosine); reversible: (0, 1) from the first step")
+    p.add_argument("--coupling-steps", type=int, help="optimizer steps the schedule takes "
+                   "(default: one epoch)")
     p.add_argument(
         "--fsdp",
         action=argparse.BooleanOptionalAction,
@@ -190,7 +198,8 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
         base = values.get("model_kwargs")
         if base is None:
             d = TrainConfig()
-            key = (values.get("model", d.model), values.get("dataset", d.dataset))
+            model = "converted_vit" if values.get("convert_from") else values.get("model", d.model)
+            key = (model, values.get("dataset", d.dataset))
             base = PRESETS.get(key, {})
         if not isinstance(base, dict):
             raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
