@@ -91,8 +91,9 @@ def test_cli_flags(tmp_path, capsys):
     assert (cfg.coupling_schedule, cfg.coupling_steps) == ("linear", 7)
     assert main(["--convert-from", "no_such_vit", "--out", str(tmp_path)]) == 2
     assert "not a timm model name" in capsys.readouterr().err
+    # Without --convert-from the file starts the registered model (published weights, issue 23).
     assert main(["--pretrained-file", "x.safetensors", "--out", str(tmp_path)]) == 2
-    assert "goes with --convert-from" in capsys.readouterr().err
+    assert "no weight file at 'x.safetensors'" in capsys.readouterr().err
 
 
 def test_memory_budget_with_convert_is_refused(tmp_path):

@@ -33,8 +33,10 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.models",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
-    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir"),
-    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune"),
+    # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
+    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
+     "pareprop.pretrained"),
+    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
 ]

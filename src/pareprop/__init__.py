@@ -21,6 +21,7 @@ from pareprop.memory import (
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 from pareprop.models.converted_vit import convert
 from pareprop.precision_guard import GuardReport, PrecisionGuard
+from pareprop.pretrained import PretrainedError, load_pretrained
 
 __version__ = "0.1.0"
 
@@ -55,4 +56,6 @@ __all__ = [
     "PrecisionGuard",
     "GuardReport",
     "CheckpointError",
+    "load_pretrained",
+    "PretrainedError",
 ]

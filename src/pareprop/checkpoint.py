@@ -381,7 +381,19 @@ def load_checkpoint(
             raise CheckpointError(f"cannot read the training state {state_path!r}: {e}") from e
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{state_path!r} is not a pareprop training state")
+    _keep_earlier_vit_head(meta, state_dict)
     return Checkpoint(path=folder, meta=meta, state_dict=state_dict, train_state=state)
+
+
+def _keep_earlier_vit_head(meta: Dict[str, Any], state_dict: Dict[str, torch.Tensor]) -> None:
+    """A Rev-ViT saved before the published head (LayerNorm after the mean, ``fc_norm``) is
+    rebuilt with ``norm_before_pool=False``, which is what its weights were trained for."""
+    spec = meta.get("model")
+    if not isinstance(spec, dict) or not isinstance(spec.get("kwargs"), dict):
+        return
+    if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
+        if str(spec.get("name", "")).startswith("rev_vit"):
+            spec["kwargs"].setdefault("norm_before_pool", False)
 
 
 def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> nn.Module:

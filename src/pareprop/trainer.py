@@ -60,7 +60,12 @@ from pareprop.checkpoint import atomic_write
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
 from pareprop.engine import ENGINES
-from pareprop.finetune import apply_convert_options, make_coupling_schedule
+from pareprop.finetune import (
+    apply_convert_options,
+    create_finetune_optimizer,
+    load_initial_weights,
+    make_coupling_schedule,
+)
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
 
@@ -123,7 +128,13 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
-    # Fine-tune a timm ViT converted to a reversible coupling (pareprop.finetune).
+    # Fine-tuning (pareprop.finetune). From published weights: pretrained (the model's published
+    # file) or pretrained_file (a local one), with a fresh head when the class counts differ.
+    # From a timm ViT converted to a reversible coupling: convert_from, and pretrained_file is
+    # then the timm weights. layer_decay scales block i's learning rate by
+    # layer_decay ** (L - i) (timm's optimizer factory).
+    pretrained: bool = False
+    layer_decay: Optional[float] = None
     convert_from: Optional[str] = None
     pretrained_file: Optional[str] = None
     coupling_schedule: str = "cosine"
@@ -409,6 +420,8 @@ class Trainer:
         model = model.to(self.device)
         if resume is not None:
             ckpt_lib.load_weights(model, resume)
+        elif cfg.convert_from is None and (cfg.pretrained or cfg.pretrained_file):
+            load_initial_weights(model, cfg.pretrained_file, name)
         return model
 
     def _setup_engine(self, model: nn.Module) -> None:
@@ -468,13 +481,19 @@ class Trainer:
             self.net = dist_lib.wrap_ddp(self.model, self.device)
 
     def _setup_optimizer(self) -> None:
-        """AdamW, timm's cosine schedule per step with linear warm-up, the fp16 scaler."""
+        """AdamW (with --layer-decay: timm's factory, per-layer learning-rate factors), timm's
+        cosine schedule per step with linear warm-up, the fp16 scaler."""
         from timm.scheduler import CosineLRScheduler
 
         cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
-        )
+        if cfg.layer_decay is None:
+            self.optimizer = torch.optim.AdamW(
+                param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999)
+            )
+        else:
+            self.optimizer = create_finetune_optimizer(
+                self.model, cfg.lr, cfg.weight_decay, cfg.layer_decay, betas=(0.9, 0.999)
+            )
         warmup = int(round(cfg.warmup_epochs * self.steps_per_epoch))
         self.scheduler = CosineLRScheduler(
             self.optimizer,

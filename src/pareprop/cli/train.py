@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a model config field, e.g. --model-arg depth=6 (repeatable; values "
         "are parsed as YAML)",
     )
+    p.add_argument("--num-classes", type=int, help="classes of the model's head (with "
+                   "--pretrained: a fresh head when they differ from the weights')")
+    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
+                   help="start from the model's published weights (pareprop.finetune)")
+    p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
+                   "0.75 (timm's create_optimizer_v2; default none)")
     p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
     p.add_argument(
         "--memory-budget",
@@ -123,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
                    "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
-    p.add_argument("--pretrained-file", help="timm weights for --convert-from (safetensors, "
-                   "or a torch file read with weights_only=True)")
+    p.add_argument("--pretrained-file", help="start from the weights in this file: published "
+                   "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
+                   "with --convert-from, the timm weights (read with weights_only=True)")
     p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
                    help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
                    "(cosine); reversible: (0, 1) from the first step")
@@ -182,6 +189,8 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
     if "config" in ns:
         values.update(_load_file(ns.pop("config")))
     model_args = _parse_model_args(ns.pop("model_args", []))
+    if "num_classes" in ns:
+        model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
     if model_args:
         # --model-arg changes fields of the model that would otherwise be built: the file's

@@ -329,6 +329,15 @@ class _TextModel(ClassifierMixin, nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {"embeddings.position_embeddings.weight"}
 
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the embeddings, each
+        block, then the head
+        (timm puts the final norm in the last block's group)."""
+        return {
+            "stem": r"^embeddings",
+            "blocks": [(r"^blocks\.blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
+
     def reset_classifier(self, num_classes: int) -> None:
         w = self.norm.weight  # the new head lives where the model lives
         self._replace_head(num_classes, truncated=False, device=w.device, dtype=w.dtype)
