@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if bench_stop.stop_requested():
                 # The bench's own SIGTERM handler took a `timeout` during the run.
                 _terminated = _terminated or not _alarm_fired
-                status = "interrupted" if status == 0 else status
+                status = "interrupted" if status in (0, 143) else status
                 bench_stop.clear()
             took = time.monotonic() - t0
             print(f"{args.label} {engine}: exit status {status} after {took:.0f} s", flush=True)

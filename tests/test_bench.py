@@ -476,3 +476,51 @@ def test_a_stop_request_ends_the_sweep_at_a_safe_point_with_the_records_so_far()
         assert bench.run_bench(config) == []  # asked before anything ran
     finally:
         stop.clear()
+
+
+# --- interrupted, refused and reused (issue 26) ---------------------------------------------
+
+_TINY_SWEEP = ["--models", "bench_test_tiny_rev", "--engines", "reversible", "--depths", "2",
+               "--device", "cpu", "--warmup", "0", "--iters", "1", "--quiet", "--no-plan",
+               "--no-grad-check", "--no-activation-bytes"]
+
+
+def test_an_interrupted_sweep_exits_non_zero_and_claims_no_headline(tmp_path, capsys,
+                                                                      monkeypatch):
+    from pareprop.bench import stop
+
+    real = bench.run_bench
+
+    def stopped_after_one(config, on_record=None):
+        def keep(record):
+            on_record(record)
+            stop.request_stop()  # what SIGTERM's handler does
+
+        return real(config, on_record=keep)
+
+    monkeypatch.setattr(bench, "run_bench", stopped_after_one)
+    try:
+        rc, stdout, err = _run(_TINY_SWEEP + ["--batch-sizes", "1", "2", "4", "--out",
+                                              str(tmp_path)], capsys)
+    finally:
+        stop.clear()
+    assert rc == 143
+    assert "interrupted after 1 of 3 configurations" in err
+    assert "vs autograd" not in stdout
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 1
+
+
+def test_a_negative_time_budget_is_refused(tmp_path, capsys):
+    rc, _, err = _run(_TINY_SWEEP + ["--batch-sizes", "1", "--time-budget", "-5", "--out",
+                                     str(tmp_path)], capsys)
+    assert rc == 2 and "expected a time budget of 0 (none) or more seconds, got -5" in err
+
+
+def test_a_reused_out_keeps_no_stale_plots(tmp_path, capsys):
+    stale = tmp_path / "time_some_other_model.png"
+    stale.write_bytes(b"not a plot of this sweep")
+    mine = tmp_path / "notes.png"
+    mine.write_bytes(b"a user's file")
+    rc, _, _ = _run(_TINY_SWEEP + ["--batch-sizes", "1", "--out", str(tmp_path)], capsys)
+    assert rc == 0
+    assert not stale.exists() and mine.exists()

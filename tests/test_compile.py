@@ -51,7 +51,14 @@ def _mvit():
     ), (torch.randn(2, 3, 16, 16),)
 
 
-FAMILIES = {"vit": _vit, "text": _text, "swin": _swin, "mvit": _mvit}
+def _rev_mvit():
+    return pareprop.create_model(
+        "rev_mvit_base", img_size=32, embed_dim=8, depth=4, transition_blocks=(2,),
+        num_classes=3, drop_path_rate=0.2,
+    ), (torch.randn(2, 3, 32, 32),)
+
+
+FAMILIES = {"vit": _vit, "text": _text, "swin": _swin, "mvit": _mvit, "rev_mvit": _rev_mvit}
 
 
 @pytest.fixture(autouse=True)

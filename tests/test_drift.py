@@ -13,6 +13,7 @@ from pareprop.drift import drift_report
 SMALL = {
     "rev_vit_tiny_patch4_32": dict(depth=2, embed_dim=32, num_heads=2, img_size=16),
     "rev_mvitv2_tiny_32": dict(embed_dim=16, img_size=16),
+    "rev_mvit_base": dict(embed_dim=16, img_size=32, depth=4, transition_blocks=(2,)),
     "rev_swin_tiny_32": dict(embed_dim=16, img_size=16, depths=(1, 2), num_heads=(2, 2)),
     "rev_roberta_small": dict(embed_dim=32, depth=2, num_heads=2, mlp_dim=64, vocab_size=50,
                               max_position_embeddings=20, example_seq_len=8),

@@ -13,6 +13,8 @@ from pareprop.testing import engine_errors
 # Tiny float64 backbones with a stride-4 stem (MViTv2 ``_tiny``: 4x4 patches; Swin: patch 4).
 TINY = {
     "rev_mvitv2_tiny": dict(embed_dim=8, num_heads=1, img_size=64, drop_path_rate=0.2),
+    "rev_mvit_base": dict(embed_dim=8, img_size=64, depth=7, transition_blocks=(1, 3, 5),
+                          drop_path_rate=0.2),
     "rev_swin_tiny": dict(
         embed_dim=8,
         depths=(1, 1, 2, 1),
@@ -131,8 +133,11 @@ def test_rev_vit_offers_its_stack_end_only():
     assert f.shape == (2, 32, 4, 4)
     model = pareprop.create_model("rev_vit_tiny_patch4_32", **kw).eval()
     x = torch.randn(2, 3, 32, 32)
-    tokens, (g,) = model.forward_intermediates(x, output_fmt="NHWC")
+    # forward_features ends with the published per-token norm; norm=True applies it too.
+    tokens, (g,) = model.forward_intermediates(x, output_fmt="NHWC", norm=True)
     torch.testing.assert_close(g.reshape(2, 16, 32), tokens, rtol=0, atol=0)
+    _, (raw,) = model.forward_intermediates(x, output_fmt="NHWC")
+    assert not torch.allclose(raw.reshape(2, 16, 32), tokens)
     with pytest.raises(AssertionError):  # a block inside the stack: never kept
         model.forward_intermediates(x, indices=[1])
 

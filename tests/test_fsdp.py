@@ -28,6 +28,8 @@ FAMILIES = {
                                         last_block_indexes=(0, 3))),
     "swin": ("rev_swin_tiny_32", dict(embed_dim=8, depths=(2, 3), num_heads=(1, 2), window=4,
                                       patch_size=2, img_size=16, num_classes=5)),
+    "rev_mvit": ("rev_mvit_base", dict(img_size=32, embed_dim=8, depth=5, num_classes=5,
+                                       transition_blocks=(2,))),
     "text": ("rev_roberta_small", dict(vocab_size=20, max_position_embeddings=16,
                                        example_seq_len=8, embed_dim=16, depth=3, num_heads=2,
                                        mlp_dim=32, num_classes=3, drop_rate=0.0,
@@ -40,7 +42,8 @@ def _model(family, engine):
     torch.manual_seed(0)
     model = pareprop.create_model(name, engine=engine, drop_path_rate=0.0, **kwargs)
     model = model.double().train()
-    if family == "mvit":  # the key norm's bias has an exact zero gradient (see test_mvit.py)
+    # The key norm's bias has an exact zero gradient (see test_mvit.py).
+    if family in ("mvit", "rev_mvit"):
         for n, p in model.named_parameters():
             p.requires_grad_(not n.endswith("norm_k.bias"))
     return model

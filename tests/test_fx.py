@@ -24,6 +24,8 @@ TINY = {
         embed_dim=16, depth=3, num_heads=2, img_size=16, drop_path_rate=0.2
     ),
     "rev_mvitv2_tiny_32": dict(embed_dim=8, img_size=32, drop_path_rate=0.2),
+    "rev_mvit_base": dict(embed_dim=8, img_size=32, depth=4, transition_blocks=(2,),
+                          drop_path_rate=0.2),
     "rev_swin_tiny_32": dict(
         embed_dim=8,
         depths=(1, 2, 1),

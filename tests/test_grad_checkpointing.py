@@ -15,6 +15,8 @@ TOL = 1e-10
 # Float64, drop-path and dropout on, odd map sizes (Swin pads before merging).
 TINY = {
     "rev_mvitv2_tiny_32": dict(embed_dim=8, img_size=32, drop_path_rate=0.3),
+    "rev_mvit_base": dict(embed_dim=8, img_size=32, depth=4, transition_blocks=(2,),
+                          drop_path_rate=0.3),
     "rev_swin_tiny_32": dict(
         embed_dim=8,
         depths=(1, 2, 1),
@@ -87,8 +89,9 @@ def test_checkpointing_keeps_less_and_stays_flat_in_depth(name):
         kept[gc] = activation_bytes(model, x)
     assert kept[True] < 0.8 * kept[False], kept
     # A deeper last stack: the reversible engines keep the same under checkpointing too.
-    depths = [dict(depth=6), dict(depth=10)] if name.startswith("rev_mvitv2") else [
-        dict(depths=(1, 2, 1)), dict(depths=(1, 2, 5))]
+    depths = [dict(depths=(1, 2, 1)), dict(depths=(1, 2, 5))]
+    if name.startswith("rev_mvit"):
+        depths = [dict(depth=6), dict(depth=10)]
     flat = []
     for deeper in depths:
         model = _model(name, engine="reversible", **deeper)

@@ -26,14 +26,18 @@ LAYERS: List[Tuple[str, ...]] = [
     # The core: imports nothing of pareprop above it (chunking: how a block's branches split).
     ("pareprop.engine", "pareprop.chunking"),
     # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
-    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
-    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),
+    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP), the
+    # skip scale's coefficients (coupling) and the precision guard of small skip scales.
+    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed",
+     "pareprop.coupling", "pareprop.precision_guard"),
     ("pareprop.layers",),
     ("pareprop.models",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
-    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots"),
-    ("pareprop.bench", "pareprop.trainer"),
+    # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
+    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
+     "pareprop.pretrained"),
+    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
 ]

@@ -60,21 +60,26 @@ def _tiny_models():
         embed_dim=16, depth=4, num_heads=2, mlp_dim=32, num_classes=3, attn_drop_rate=0.1,
         drop_path_rate=0.2,
     )
-    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text}
+    rev_mvit = pareprop.create_model(
+        "rev_mvit_base", img_size=32, embed_dim=8, depth=7, transition_blocks=(1, 3),
+        num_classes=5, drop_path_rate=0.3,
+    )
+    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text, "rev_mvit": rev_mvit}
 
 
 def _stacks(model):
     return [m for m in model.modules() if isinstance(m, pareprop.ReversibleStack)]
 
 
-@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text"])
+@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text", "rev_mvit"])
 def test_one_model_of_each_family_with_stored_blocks(family):
     torch.manual_seed(0)
     model = _tiny_models()[family].double()
     for stack in _stacks(model):  # first and last of every stack: both neighbours kinds
         stack.store_blocks([0] if len(stack.blocks) == 1 else [0, -1])
     inputs = model.example_inputs(2, dtype=torch.float64)
-    if family == "mvit":  # the key norm's bias has an exact zero gradient (see test_mvit.py)
+    # The key norm's bias has an exact zero gradient (see test_mvit.py).
+    if family in ("mvit", "rev_mvit"):
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("norm_k.bias"))
     report = engine_errors(model, inputs, engines=ENGINES)

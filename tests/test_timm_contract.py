@@ -26,6 +26,8 @@ def _tiny_overrides(name: str) -> dict:
     """Small enough that a float64 forward on CPU takes milliseconds."""
     if name.startswith("rev_vit"):
         return dict(embed_dim=16, depth=2, num_heads=2, img_size=32, patch_size=8, num_classes=3)
+    if name == "rev_mvit_base":
+        return dict(embed_dim=8, depth=4, transition_blocks=(2,), img_size=32, num_classes=3)
     if name.startswith("rev_mvitv2"):
         patch4 = pareprop.create_model(name, device="meta").cfg.patch_stride == 4
         return dict(embed_dim=8, img_size=32 if patch4 else 16, num_classes=3)

@@ -3,6 +3,7 @@
 from pareprop.budget import MemoryPlan, set_engine, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
+from pareprop.coupling import CouplingSchedule, coupling_of, set_coupling
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
@@ -19,6 +20,9 @@ from pareprop.memory import (
     plan_memory,
 )
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
+from pareprop.models.converted_vit import convert
+from pareprop.precision_guard import GuardReport, PrecisionGuard
+from pareprop.pretrained import PretrainedError, load_pretrained
 
 __version__ = "0.1.0"
 
@@ -47,5 +51,13 @@ __all__ = [
     "model_spec",
     "register_model",
     "load_model",
+    "convert",
+    "set_coupling",
+    "coupling_of",
+    "CouplingSchedule",
+    "PrecisionGuard",
+    "GuardReport",
     "CheckpointError",
+    "load_pretrained",
+    "PretrainedError",
 ]

@@ -301,6 +301,20 @@ def depth_overrides(cfg: Any, depth: Optional[int]) -> Dict[str, Any]:
             )
         ends = [sum(lengths[: i + 1]) - 1 for i in range(len(lengths))]
         return {"depth": depth, "last_block_indexes": tuple(ends if closed else ends[:-1])}
+    if "transition_blocks" in names and "depth" in names:  # Rev-MViT: stage starts by index
+        ends = [*cfg.transition_blocks, cfg.depth]
+        lengths = [b - a for a, b in zip([0, *cfg.transition_blocks], ends)]
+        deepest = max(range(len(lengths)), key=lambda i: lengths[i])
+        # A stage keeps one reversible block (after its transition, if it has one).
+        least = cfg.depth - lengths[deepest] + (1 if deepest == 0 else 2)
+        lengths[deepest] += depth - cfg.depth
+        if depth < least:
+            raise ValueError(
+                f"expected a depth of at least {least} for transition_blocks "
+                f"{tuple(cfg.transition_blocks)} (depth {cfg.depth}), got {depth}"
+            )
+        starts = tuple(sum(lengths[:i]) for i in range(1, len(lengths)))
+        return {"depth": depth, "transition_blocks": starts}
     if "depth" in names:
         return {"depth": depth}
     raise ValueError(f"model config {type(cfg).__name__} has no depth field; omit --depths")

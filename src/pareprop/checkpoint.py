@@ -307,6 +307,12 @@ def _resolve(path: PathLike) -> str:
         # A run directory: resume from its last checkpoint.
         if os.path.exists(os.path.join(path, "last", META)):
             return os.path.realpath(os.path.join(path, "last"))
+        if os.path.exists(os.path.join(path, "config.json")):
+            raise CheckpointError(
+                f"run directory {path!r} has no complete checkpoint yet (no 'last'; the run "
+                "stopped before its first save): start it again, with --overwrite to replace "
+                "what it left"
+            )
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
     if not os.path.isdir(path):
@@ -375,7 +381,19 @@ def load_checkpoint(
             raise CheckpointError(f"cannot read the training state {state_path!r}: {e}") from e
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{state_path!r} is not a pareprop training state")
+    _keep_earlier_vit_head(meta, state_dict)
     return Checkpoint(path=folder, meta=meta, state_dict=state_dict, train_state=state)
+
+
+def _keep_earlier_vit_head(meta: Dict[str, Any], state_dict: Dict[str, torch.Tensor]) -> None:
+    """A Rev-ViT saved before the published head (LayerNorm after the mean, ``fc_norm``) is
+    rebuilt with ``norm_before_pool=False``, which is what its weights were trained for."""
+    spec = meta.get("model")
+    if not isinstance(spec, dict) or not isinstance(spec.get("kwargs"), dict):
+        return
+    if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
+        if str(spec.get("name", "")).startswith("rev_vit"):
+            spec["kwargs"].setdefault("norm_before_pool", False)
 
 
 def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> nn.Module:

@@ -101,9 +101,63 @@ class ReversibleBlock(nn.Module):
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         """The coupling under plain autograd; stacks call ``f`` and ``g`` directly."""
-        y1 = x1 + self.f(x2, **kwargs)
-        y2 = x2 + self.g(y1, **kwargs)
+        beta = skip_scale(self)
+        y1 = _skip(beta, x1) + self.f(x2, **kwargs)
+        y2 = _skip(beta, x2) + self.g(y1, **kwargs)
         return y1, y2
+
+    def set_skip_scale(self, beta: float) -> "ReversibleBlock":
+        """Scale the skip connections of the coupling by ``beta``: Y1 = beta * X1 + F(X2),
+        Y2 = beta * X2 + G(Y1). See NOTE [ Skip scale of the coupling ]."""
+        beta = float(beta)
+        if not 0.0 <= beta < float("inf"):
+            raise ValueError(f"expected a skip scale beta >= 0, got {beta!r}")
+        self._skip_scale_value = beta
+        if "skip_scale" in self._buffers:
+            with torch.no_grad():
+                self.skip_scale.fill_(beta)  # in place: compiled code keeps reading it
+        else:
+            device = next((p.device for p in self.parameters()), None)
+            self.register_buffer(
+                "skip_scale", torch.tensor(beta, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+        return self
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        if "skip_scale" in self._buffers:  # float32 and exact through .double() or .half()
+            self.skip_scale = torch.full((), self._skip_scale_value, dtype=torch.float32,
+                                         device=self.skip_scale.device)
+        return self
+
+
+# NOTE [ Skip scale of the coupling ]
+# A block may scale its skip connections by beta (pareprop.convert starts a pretrained network
+# at beta = 0 and moves it to beta = 1):
+#     Y1 = beta * X1 + F(X2)        X2 = (Y2 - G(Y1)) / beta
+#     Y2 = beta * X2 + G(Y1)        X1 = (Y1 - F(X2)) / beta
+# and in backward dX1 = beta * dY1', dX2 = beta * dY2 + F'(X2)^T dY1', with dY1' = dY1 +
+# G'(Y1)^T dY2. beta is a float32 non-persistent buffer ``skip_scale`` changed in place
+# (ReversibleBlock.set_skip_scale), so a new value between steps rebuilds and recompiles
+# nothing; a block without the buffer has beta = 1 and runs exactly the unscaled coupling, with
+# no extra kernel. The two helpers below are the only places the engines apply it. Rebuilding
+# divides by beta, so rounding errors grow like (1 / beta)^(2 per block): the reversible engines
+# refuse beta = 0 in a recomputed block, and pareprop.PrecisionGuard stores the blocks whose
+# measured reconstruction error is too large (docs/convert.md).
+
+
+def skip_scale(block: nn.Module) -> Optional[Tensor]:
+    """The block's skip scale beta (a 0-dim float32 tensor), or None for beta = 1."""
+    return block._buffers.get("skip_scale") if isinstance(block, nn.Module) else None
+
+
+def _skip(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    return x if beta is None else beta * x
+
+
+def _unskip(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    return x if beta is None else x / beta
 
 
 def _check_engine(name: str) -> str:
@@ -292,6 +346,34 @@ def _call_checked(
     return out
 
 
+# NOTE [ Module modes in recomputation ]
+# A module's training flag is part of what its forward computed: dropout and drop-path draw
+# only in training mode. A model switched to eval between forward and backward (a validation
+# pass in between) must not change what recomputation computes, so forward records the flag of
+# every module of each block and recomputation runs under those flags, restoring the current
+# ones after the block.
+
+
+@dataclass(frozen=True)
+class _ModeState:
+    flags: Tuple[Tuple[nn.Module, bool], ...]
+
+    @staticmethod
+    def capture(block: nn.Module) -> "_ModeState":
+        return _ModeState(tuple((m, m.training) for m in block.modules()))
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        changed = [(m, m.training) for m, want in self.flags if m.training != want]
+        for m, now in changed:
+            m.training = not now
+        try:
+            yield
+        finally:
+            for m, now in changed:
+                m.training = now
+
+
 @dataclass
 class _BlockRecord:
     """What forward leaves for one block's recomputation (and for the debug check)."""
@@ -299,6 +381,7 @@ class _BlockRecord:
     f_rng: Optional[_RngState]  # None for a stored block, which is not recomputed
     g_rng: Optional[_RngState]
     inputs: Optional[Tuple[Tensor, Tensor]] = None
+    modes: Optional[_ModeState] = None
 
 
 def _couple(
@@ -309,15 +392,16 @@ def _couple(
     records: Optional[List[_BlockRecord]] = None,
     keep_inputs: bool = False,
 ) -> Tuple[Tensor, Tensor]:
+    beta = skip_scale(block)
     if records is None:
-        y1 = x1 + _call_checked(block, "f", x2, kwargs)
-        return y1, x2 + _call_checked(block, "g", y1, kwargs)
+        y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
+        return y1, _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     f_rng = _RngState.capture(x2.device)
-    y1 = x1 + _call_checked(block, "f", x2, kwargs)
+    y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
     g_rng = _RngState.capture(x2.device)
-    y2 = x2 + _call_checked(block, "g", y1, kwargs)
+    y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
-    records.append(_BlockRecord(f_rng, g_rng, inputs))
+    records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
 
 
@@ -342,8 +426,12 @@ class _Plan:
     device: torch.device
     autocast: _AutocastState
     backends: _BackendState
+    keywords: "_KeywordVersions"
     # Per block: True when the block keeps its graph from forward (see NOTE [ Stored blocks ]).
     stored: Sequence[bool]
+    # Per block: its skip scale at forward as (buffer, version), None for beta = 1 (NOTE
+    # [ Skip scale of the coupling ]).
+    betas: Sequence[Optional[Tuple[Tensor, int]]] = ()
     debug_tolerance: Optional[float] = None
     records: List[_BlockRecord] = field(default_factory=list)
     # Per block: the graphs a stored block built in forward, until backward consumes them.
@@ -371,6 +459,50 @@ class _ParamLocation:
     name: str
     tensor: Tensor
     version: int
+
+
+# NOTE [ Keyword tensors in recomputation ]
+# Keyword inputs of a stack (attention masks, window masks) are used again, as they are then,
+# when backward recomputes F and G. One refilled in place between forward and backward (a
+# reused mask buffer; ``mask.bool()`` of a bool tensor is the tensor itself) would make the
+# recomputation differ from the forward and the gradients silently wrong. A private copy would
+# cost memory on every forward for a rare mistake, so, as for parameters, forward records each
+# tensor's version and recomputation refuses a changed one.
+
+
+def _keyword_tensors(value: Any, key: str) -> Iterator[Tuple[str, Tensor]]:
+    if isinstance(value, Tensor):
+        yield key, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _keyword_tensors(item, f"{key}[{i}]")
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _keyword_tensors(item, f"{key}[{k!r}]")
+
+
+@dataclass(frozen=True)
+class _KeywordVersions:
+    versions: Tuple[Tuple[str, Tensor, int], ...]
+
+    @staticmethod
+    def capture(kwargs: Dict[str, Any]) -> "_KeywordVersions":
+        return _KeywordVersions(tuple(
+            (key, t, t._version)
+            for name, value in kwargs.items()
+            for key, t in _keyword_tensors(value, name)
+            if not t.is_inference()  # inference tensors have no version (and cannot change)
+        ))
+
+    def check(self, index: int, block: nn.Module) -> None:
+        for key, t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"keyword input {key!r} of the stack was modified in place between forward "
+                    f"and backward (a reused buffer refilled?); the reversible engines recompute "
+                    f"block {index} ({type(block).__name__}) with it, so its gradients would be "
+                    "wrong: pass a new tensor (or a .clone()) to each forward"
+                )
 
 
 # NOTE [ Recomputing with the forward's parameters ]
@@ -443,17 +575,19 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
     if plan.chunking is not None:
         return _recover_chunked(plan, index, y1, y2)
     block, record = plan.blocks[index], plan.records[index]
+    plan.keywords.check(index, block)
     with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
-            _forward_parameters(plan, index):
+            record.modes.replay(), _forward_parameters(plan, index):
         y1 = y1.detach().requires_grad_(True)
         record.g_rng.restore(plan.device)
         g_out = _call_checked(block, "g", y1, plan.kwargs)
+        beta = _plan_beta(plan, index)
         with torch.no_grad():
-            x2 = (y2 - g_out).requires_grad_(True)
+            x2 = _unskip(beta, y2 - g_out).requires_grad_(True)
         record.f_rng.restore(plan.device)
         f_out = _call_checked(block, "f", x2, plan.kwargs)
         with torch.no_grad():
-            x1 = y1 - f_out
+            x1 = _unskip(beta, y1 - f_out)
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     return _Rebuilt(y1, g_out, x2, f_out, x1)
@@ -489,7 +623,7 @@ def _store(
         x2_in = x2.detach().requires_grad_(True).view_as(x2)
         f_out = _call_checked(block, "f", x2_in, kwargs)
         with torch.no_grad():
-            y1 = x1 + f_out
+            y1 = _skip(skip_scale(block), x1) + f_out
         y1_in = y1.detach().requires_grad_(True).view_as(y1)
         g_out = _call_checked(block, "g", y1_in, kwargs)
     return _Rebuilt(y1_in, g_out, x2_in, f_out, x1 if keep_x1 else None)
@@ -546,17 +680,18 @@ def _grads(
     params = [p for _, p in owned]
     if plan.sharding is not None:  # a sharded block's gradients go to FSDP, not the Function
         param_grads = [None] * len(owned)
-    # Y2 = X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
+    beta = _plan_beta(plan, index)
+    # Y2 = beta X2 + G(Y1): dY2 flows into G, whose input gradient joins dY1.
     g_in, *g_params = _vjp(rebuilt.g_out, [rebuilt.y1, *params], dy2)
     dy1_total = dy1 if g_in is None else dy1 + g_in
-    # Y1 = X1 + F(X2): the total dY1 flows into F, whose input gradient joins dY2.
+    # Y1 = beta X1 + F(X2): the total dY1 flows into F, whose input gradient joins beta dY2.
     f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
-    dx2 = dy2 if f_in is None else dy2 + f_in
+    dx2 = _skip(beta, dy2) if f_in is None else _skip(beta, dy2) + f_in
     _add_param_grads(owned, g_params, param_grads)
     _add_param_grads(owned, f_params, param_grads)
     if plan.sharding is not None:
         plan.sharding.reduce(index, params, param_grads)
-    return dy1_total, dx2
+    return _skip(beta, dy1_total), dx2
 
 
 # NOTE [ Chunked backward ]
@@ -750,23 +885,29 @@ def _block_chunked(
         plan.sharding.gather(index)
         param_grads = [None] * len(plan.block_params[index])
     record, sums = plan.records[index], set()
+    plan.keywords.check(index, plan.blocks[index])
+    beta = _plan_beta(plan, index)  # NOTE [ Skip scale of the coupling ]
     x2 = streams[1] if in_place else streams[1].clone()
     streams[1] = None
     dy1_total = dy1 if in_place else dy1.clone()
-    with plan.autocast.replay(), plan.backends.replay(), _forward_parameters(plan, index):
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
         split, count = _branch_chunking(plan, index, "g", streams[0], record.g_rng)
-        # Y2 = X2 + G(Y1): X2 is rebuilt into Y2, dY2 flows into G, whose input gradient
+        # Y2 = beta X2 + G(Y1): X2 is rebuilt into Y2, dY2 flows into G, whose input gradient
         # joins dY1.
         _run_chunks(plan, index, "g", streams[0], split, count, record.g_rng, subtract_from=x2,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        _unskip_(beta, x2)
         x1 = streams[0] if in_place else streams[0].clone()
         streams[0] = None
-        dx2 = dy2 if in_place else dy2.clone()
+        dx2 = _skip_(beta, dy2 if in_place else dy2.clone())
         split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
-        # Y1 = X1 + F(X2): X1 is rebuilt into Y1, the total dY1 flows into F, whose input
-        # gradient joins dY2.
+        # Y1 = beta X1 + F(X2): X1 is rebuilt into Y1, the total dY1 flows into F, whose input
+        # gradient joins beta dY2.
         _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1,
                     grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
+        _unskip_(beta, x1)
+        _skip_(beta, dy1_total)  # dX1 = beta dY1', once F has read dY1'
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     if plan.sharding is not None:
@@ -778,14 +919,18 @@ def _block_chunked(
 def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
     """PaReprop's recover of a chunked block: X2 and X1 without a graph, chunk by chunk."""
     record = plan.records[index]
+    plan.keywords.check(index, plan.blocks[index])
+    beta = _plan_beta(plan, index)
     with torch.no_grad(), plan.autocast.replay(), plan.backends.replay(), \
-            _forward_parameters(plan, index):
+            record.modes.replay(), _forward_parameters(plan, index):
         x2 = y2.clone()
         split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
         _run_chunks(plan, index, "g", y1, split, count, record.g_rng, subtract_from=x2)
+        _unskip_(beta, x2)
         x1 = y1.clone()
         split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
         _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1)
+        _unskip_(beta, x1)
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     return _Rebuilt(y1, None, x2, None, x1)
@@ -803,8 +948,10 @@ def _grads_chunked(
     if plan.sharding is not None:
         param_grads = [None] * len(plan.block_params[index])
     record, sums = plan.records[index], set()
-    dy1_total, dx2 = dy1.clone(), dy2.clone()
-    with plan.autocast.replay(), plan.backends.replay(), _forward_parameters(plan, index):
+    beta = _plan_beta(plan, index)
+    dy1_total, dx2 = dy1.clone(), _skip_(beta, dy2.clone())
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
         split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
         _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
@@ -813,7 +960,17 @@ def _grads_chunked(
                     grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
-    return dy1_total, dx2
+    return _skip(beta, dy1_total), dx2
+
+
+def _skip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    """``_skip`` in place, on a tensor of ours."""
+    return x if beta is None else x.mul_(beta)
+
+
+def _unskip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    """``_unskip`` in place, on a tensor of ours."""
+    return x if beta is None else x.div_(beta)
 
 
 # NOTE [ PaReprop on two CUDA streams ]
@@ -1040,7 +1197,8 @@ class _ReversibleFunction(torch.autograd.Function):
                     rebuilt = _store(block, x1, x2, plan.kwargs, keep_x1)
                 plan.graphs.append(rebuilt)
                 plan.records.append(_BlockRecord(None, None))
-                x1, x2 = rebuilt.y1.detach(), x2 + rebuilt.g_out.detach()
+                x1 = rebuilt.y1.detach()
+                x2 = _skip(skip_scale(block), x2) + rebuilt.g_out.detach()
             else:
                 plan.graphs.append(None)
                 x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
@@ -1189,7 +1347,7 @@ class ReversibleStack(nn.Module):
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
-        x1, x2 = _full_precision_streams(x1, x2)
+        x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             for block in self.blocks:
                 # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
@@ -1213,6 +1371,7 @@ class ReversibleStack(nn.Module):
             with torch.no_grad():
                 return self.forward(x1, x2, **kwargs)
         tolerance, self._debug_tolerance = self._debug_tolerance, None
+        stored = [i in self.stored_blocks for i in range(len(self.blocks))]
         plan = _Plan(
             blocks=list(self.blocks),
             engine=self.engine,
@@ -1223,7 +1382,9 @@ class ReversibleStack(nn.Module):
             device=x1.device,
             autocast=_AutocastState.capture(x1.device),
             backends=_BackendState.capture(),
-            stored=[i in self.stored_blocks for i in range(len(self.blocks))],
+            keywords=_KeywordVersions.capture(kwargs),
+            stored=stored,
+            betas=_forward_betas(self.blocks, stored),
             debug_tolerance=tolerance,
             probe=self._probe,
             sharding=self._sharding,
@@ -1248,6 +1409,33 @@ class ReversibleStack(nn.Module):
             block_params.append(owned)
             block_locations.append(locations)
         return params, block_params, block_locations
+
+
+def _forward_betas(blocks: Sequence[nn.Module], stored: Sequence[bool]):
+    betas = []
+    for index, block in enumerate(blocks):
+        beta = skip_scale(block)
+        zero = getattr(block, "_skip_scale_value", 1.0) == 0.0
+        if beta is not None and not stored[index] and zero:
+            raise ValueError(
+                f"block {index} ({type(block).__name__}) has skip scale beta = 0, which the "
+                "reversible engines cannot invert (they divide by beta); store the block "
+                "(stack.store_blocks, or pareprop.PrecisionGuard) or use engine='autograd'"
+            )
+        betas.append(None if beta is None else (beta, beta._version))
+    return betas
+
+
+def _plan_beta(plan: _Plan, index: int) -> Optional[Tensor]:
+    if not plan.betas or plan.betas[index] is None:
+        return None
+    beta, version = plan.betas[index]
+    if beta._version != version:
+        raise RuntimeError(
+            f"the skip scale of block {index} ({type(plan.blocks[index]).__name__}) changed "
+            "between forward and backward; change it between steps, after backward"
+        )
+    return beta
 
 
 def _block_params(
@@ -1290,15 +1478,25 @@ def _check_streams(x1: Tensor, x2: Tensor) -> None:
         )
 
 
-def _full_precision_streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _full_precision_streams(
+    x1: Tensor, x2: Tensor, blocks: Iterable[nn.Module]
+) -> Tuple[Tensor, Tensor]:
     # NOTE [ Streams in float32 under autocast ]
     # Inversion subtracts F and G from the streams; rounding the streams themselves to 8 bits
     # of mantissa would lose far more than F and G's own low precision. So under autocast the
     # streams are float32 (the sums X + F(X) promote to it) while F and G compute in the
     # autocast dtype. An input that arrives in low precision (from a conv or linear under
-    # autocast) is widened here.
-    if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_state(x1.device.type)[0]:
-        return x1.float(), x2.float()
+    # autocast) is widened here. Not when the weights themselves are in low precision
+    # (create_model(..., dtype=torch.bfloat16)): the norms would then meet float32 inputs with
+    # bfloat16 weights, which CPU kernels refuse, and such a model is low precision throughout
+    # anyway, so its streams stay in the weights' dtype, as in timm's models.
+    if x1.dtype in _LOW_PRECISION and _autocast_state(x1.device.type)[0]:
+        weight = next((p for b in blocks for p in b.parameters() if p.is_floating_point()), None)
+        if weight is None or weight.dtype not in _LOW_PRECISION:
+            return x1.float(), x2.float()
     return x1, x2
 
 

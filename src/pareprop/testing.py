@@ -57,7 +57,10 @@ def _projection_loss(outputs: List[Tensor], seed: int) -> Tensor:
     total = 0.0
     for o in outputs:
         o = o if o.dtype == torch.float64 else o.float()
-        total = total + (o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
+        # Drawn in float64 whatever the output's dtype: a float32 and a float64 draw from one
+        # seed are different numbers, which would make a float64 reference a different loss.
+        weights = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        total = total + (o * weights.to(o.device, o.dtype)).sum()
     return total
 
 

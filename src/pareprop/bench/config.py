@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Sequence
 
@@ -124,6 +125,12 @@ class BenchConfig:
             raise ValueError(f"expected a positive img_size, got {self.img_size}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected amp among {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.time_budget_s is not None and not (
+            isinstance(self.time_budget_s, (int, float)) and 0 <= self.time_budget_s < math.inf
+        ):
+            raise ValueError(
+                f"expected a time budget of 0 (none) or more seconds, got {self.time_budget_s}"
+            )
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"

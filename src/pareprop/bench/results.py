@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import math
 import os
@@ -14,6 +15,10 @@ from pareprop.memory import largest_batch, parse_memory
 from pareprop.plots import plot_results
 
 __all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
+
+
+# The figures pareprop.plots.plot_results draws (and write_results replaces).
+BENCH_PLOTS = ("memory_vs_depth_*.png", "memory_vs_batch_*.png", "time_*.png")
 
 
 def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, str]:
@@ -32,6 +37,10 @@ def write_results(records: Sequence[Dict[str, Any]], out_dir: str) -> Dict[str, 
         writer.writeheader()
         for r in records:
             writer.writerow({k: ("" if r.get(k) is None else r[k]) for k in RECORD_FIELDS})
+    # A reused --out would otherwise keep an earlier sweep's figures beside this one's.
+    for pattern in BENCH_PLOTS:
+        for stale in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
+            os.remove(stale)
     plots = plot_results(records, out_dir)
     return {"json": json_path, "csv": csv_path, "plots": plots}
 

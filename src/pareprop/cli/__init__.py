@@ -1,4 +1,4 @@
-"""Command-line front ends: ``pareprop train``, ``bench``, ``plan`` and ``demo``.
+"""Command-line front ends: ``pareprop train``, ``eval``, ``bench``, ``plan`` and ``demo``.
 
 Each subcommand lives in its own module and exposes ``main(argv) -> int``; this module only
 dispatches, importing the chosen subcommand lazily so ``pareprop --help`` stays fast.
@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 _COMMANDS = {
     "train": ("pareprop.cli.train", "train a reversible model (digits, CIFAR, an image folder)"),
+    "eval": ("pareprop.cli.eval", "top-1/top-5 of a model (published weights too) on a folder"),
     "bench": ("pareprop.cli.bench", "measure step time and memory of every engine"),
     "plan": ("pareprop.cli.plan", "predict a training step's peak memory and the largest batch"),
     "demo": ("pareprop.cli.demo", "check every engine against autograd on a small stack"),

@@ -208,6 +208,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         stream.close()
+    # run_bench records every configuration it reaches, skipped or not: fewer records than
+    # configurations means a signal or Ctrl-C stopped it (NOTE [ Stopping on a signal ]).
+    planned = len(bench.sweep_jobs(config))
+    interrupted = len(records) < planned
     paths = bench.write_results(records, args.out)
     print()
     print(bench.format_table(records))
@@ -216,10 +220,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nratios in this run (time: lower is faster; memory: how many times less)")
         print(ratios)
     headline = bench.format_headline(records)
-    if headline:
+    if headline and not interrupted:
         print("\n" + headline + "  (reversible vs autograd; peak: the whole step, planned)")
     print(f"\nwrote {paths['json']}, {paths['csv']} and {len(paths['plots'])} plot(s) in "
           f"{args.out}")
+    if interrupted:
+        print(f"pareprop bench: interrupted after {len(records)} of {planned} configurations; "
+              "the tables cover only those (no headline)", file=sys.stderr)
+        # 128 + the signal, as a shell reports it: SIGTERM/SIGALRM asked to stop, else Ctrl-C.
+        return 143 if stop.stop_requested() else 130
     failed = [r for r in records if r["status"] not in ("ok", "oom")]
     if failed:
         print(f"pareprop bench: {len(failed)} configuration(s) failed; see the status column",

@@ -77,6 +77,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         memory = parse_memory(args.memory) if args.memory is not None else None
         if not args.batch_sizes and memory is None:
             raise ValueError("expected --batch-sizes, --memory or both")
+        budgets = [b for b in args.memory_budgets if b is not None]
+        if budgets and not set(_split(args.engines)) & {"reversible", "pareprop"}:
+            raise ValueError(
+                f"--memory-budgets {' '.join(map(str, budgets))} choose blocks for the "
+                f"reversible engines to store, and --engines {' '.join(_split(args.engines))} "
+                "has none: add reversible or pareprop, or drop --memory-budgets"
+            )
         extra = {} if args.depth is None else {"depth": args.depth}
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,

@@ -11,11 +11,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pareprop.checkpoint import CheckpointError
 from pareprop.data import DatasetNotFoundError
-from pareprop.trainer import AMP_MODES, PRESETS, NonFiniteLossError, TrainConfig, train
+from pareprop.trainer import (
+    AMP_MODES,
+    PRESETS,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingInterrupted,
+    train,
+)
 
 __all__ = ["main", "build_parser", "resolve_config"]
 
@@ -40,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a model config field, e.g. --model-arg depth=6 (repeatable; values "
         "are parsed as YAML)",
     )
+    p.add_argument("--num-classes", type=int, help="classes of the model's head (with "
+                   "--pretrained: a fresh head when they differ from the weights')")
+    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
+                   help="start from the model's published weights (pareprop.finetune)")
+    p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
+                   "0.75 (timm's create_optimizer_v2; default none)")
     p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
     p.add_argument(
         "--memory-budget",
@@ -93,7 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, help="autocast: none, bf16 (CPU/GPU), fp16 (GPU)")
     p.add_argument("--seed", type=int, help=f"(default {d.seed})")
     p.add_argument("--out", help=f"run directory: checkpoints, metrics.jsonl (default {d.out})")
-    p.add_argument("--resume", help="checkpoint to resume from (OUT/last, OUT/best, or OUT)")
+    p.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        help="let a new run use an --out that holds a previous run, deleting that run's "
+        "checkpoints, links and metrics (off: such an --out is refused)",
+    )
+    p.add_argument(
+        "--resume",
+        help="continue a run: its directory (OUT) or OUT/last; the run's own options are "
+        "restored, and --epochs, --stop-after-epochs, --max-steps, --engine, the device and "
+        "the like may change (docs/training.md)",
+    )
     p.add_argument(
         "--eval-only",
         action=argparse.BooleanOptionalAction,
@@ -110,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
+                   "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
+    p.add_argument("--pretrained-file", help="start from the weights in this file: published "
+                   "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
+                   "with --convert-from, the timm weights (read with weights_only=True)")
+    p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
+                   help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
+                   "(cosine); reversible: (0, 1) from the first step")
+    p.add_argument("--coupling-steps", type=int, help="optimizer steps the schedule takes "
+                   "(default: one epoch)")
     p.add_argument(
         "--fsdp",
         action=argparse.BooleanOptionalAction,
@@ -152,11 +186,18 @@ def _parse_model_args(items: List[str]) -> Dict[str, Any]:
 
 def resolve_config(argv: Sequence[str]) -> TrainConfig:
     """Parse ``argv`` on top of ``--config`` on top of the defaults."""
+    return resolve_options(argv)[0]
+
+
+def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
+    """The configuration of ``argv`` and the names of the options it (or its file) sets."""
     ns = vars(build_parser().parse_args(list(argv)))
     values: Dict[str, Any] = {}
     if "config" in ns:
         values.update(_load_file(ns.pop("config")))
     model_args = _parse_model_args(ns.pop("model_args", []))
+    if "num_classes" in ns:
+        model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
     if model_args:
         # --model-arg changes fields of the model that would otherwise be built: the file's
@@ -164,25 +205,32 @@ def resolve_config(argv: Sequence[str]) -> TrainConfig:
         base = values.get("model_kwargs")
         if base is None:
             d = TrainConfig()
-            key = (values.get("model", d.model), values.get("dataset", d.dataset))
+            model = "converted_vit" if values.get("convert_from") else values.get("model", d.model)
+            key = (model, values.get("dataset", d.dataset))
             base = PRESETS.get(key, {})
         if not isinstance(base, dict):
             raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
         values["model_kwargs"] = {**base, **model_args}
-    return TrainConfig.from_dict(values)
+    return TrainConfig.from_dict(values), set(values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = resolve_config(argv)
+        cfg, given = resolve_options(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return int(e.code or 0)
     except (ValueError, TypeError) as e:
         print(f"pareprop train: error: {e}", file=sys.stderr)
         return 2
     try:
-        train(cfg)
+        train(cfg, given)
+    except TrainingInterrupted as e:
+        print(f"pareprop train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("pareprop train: interrupted before training started", file=sys.stderr)
+        return 130
     except NonFiniteLossError as e:
         print(f"pareprop train: stopped: {e}", file=sys.stderr)
         return 1

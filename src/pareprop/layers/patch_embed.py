@@ -40,7 +40,7 @@ def check_image(
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected an image tensor, got {type(x).__name__}")
-    want = f"{img_size[0]}x{img_size[1]} " if img_size is not None else ""
+    want = f"a {img_size[0]}x{img_size[1]} image" if img_size is not None else "an image"
     if not torch.is_floating_point(x):
         raise ValueError(
             f"expected a floating-point image tensor, got dtype {x.dtype} with shape "
@@ -48,7 +48,7 @@ def check_image(
         )
     if x.ndim != 4 or x.shape[1] != in_chans:
         raise ValueError(
-            f"expected input (B, {in_chans}, H, W), a {want}image with {in_chans} channels, "
+            f"expected input (B, {in_chans}, H, W), {want} with {in_chans} channels, "
             f"got {tuple(x.shape)}"
         )
     hw = tuple(x.shape[-2:])

@@ -40,7 +40,8 @@ def window_partition(x: torch.Tensor, window: int) -> Tuple[torch.Tensor, Tuple[
         x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
     Hp, Wp = H + pad_h, W + pad_w
     x = x.view(B, Hp // window, window, Wp // window, window, C)
-    x = x.permute(0, 1, 3, 2, 4, 5).reshape(-1, window, window, C)  # (B * nW, w, w, C)
+    nW = (Hp // window) * (Wp // window)  # explicit sizes: a batch of 0 has no -1 to infer
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B * nW, window, window, C)  # (B * nW, w, w, C)
     return x, (Hp, Wp)
 
 
@@ -50,9 +51,9 @@ def window_unpartition(
     """Inverse of :func:`window_partition`: ``(B * nW, w, w, C) -> (B, H, W, C)``, cropped."""
     Hp, Wp = padded_hw
     nh, nw = Hp // window, Wp // window
-    B = windows.shape[0] // (nh * nw)
-    x = windows.reshape(B, nh, nw, window, window, -1)
-    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, Hp, Wp, -1)  # (B, Hp, Wp, C)
+    B, C = windows.shape[0] // (nh * nw), windows.shape[-1]
+    x = windows.reshape(B, nh, nw, window, window, C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, Hp, Wp, C)  # (B, Hp, Wp, C)
     return x[:, : hw[0], : hw[1]]
 
 
@@ -96,12 +97,13 @@ def add_decomposed_rel_pos(
     (qh, qw), (kh, kw) = q_hw, k_hw
     Rh = rel_pos_table(rel_pos_h, qh, kh)  # (qh, kh, dim)
     Rw = rel_pos_table(rel_pos_w, qw, kw)  # (qw, kw, dim)
-    r_q = q.reshape(q.shape[0], qh, qw, -1)  # (N, qh, qw, dim)
+    N = q.shape[0]
+    r_q = q.reshape(N, qh, qw, q.shape[-1])  # (N, qh, qw, dim)
     bias_h = torch.einsum("nhwc,hkc->nhwk", r_q, Rh)  # (N, qh, qw, kh)
     bias_w = torch.einsum("nhwc,wkc->nhwk", r_q, Rw)  # (N, qh, qw, kw)
-    attn = attn.view(-1, qh, qw, kh, kw)  # (N, qh, qw, kh, kw)
+    attn = attn.view(N, qh, qw, kh, kw)  # (N, qh, qw, kh, kw)
     attn = attn + bias_h[..., :, None] + bias_w[..., None, :]
-    return attn.view(-1, qh * qw, kh * kw)
+    return attn.view(N, qh * qw, kh * kw)
 
 
 class PoolingAttention(nn.Module):
@@ -224,23 +226,23 @@ class PoolingAttention(nn.Module):
                 ones = k.new_ones(1, *k_map, 1)
                 key_padding = window_partition(ones, wk)[0].reshape(-1, wk * wk) == 0  # (nW, wk*wk)
         q_hw, k_hw = tuple(q.shape[1:3]), tuple(k.shape[1:3])
-        q = q.reshape(q.shape[0], -1, hd)  # (N, Lq, head_dim)
-        k = k.reshape(k.shape[0], -1, hd)  # (N, Lk, head_dim)
-        v = v.reshape(v.shape[0], -1, hd)
+        q = q.reshape(q.shape[0], q_hw[0] * q_hw[1], hd)  # (N, Lq, head_dim)
+        k = k.reshape(k.shape[0], k_hw[0] * k_hw[1], hd)  # (N, Lk, head_dim)
+        v = v.reshape(v.shape[0], k_hw[0] * k_hw[1], hd)
 
         attn = (q * self.scale) @ k.transpose(-2, -1)  # (N, Lq, Lk)
         if self.rel_pos_h is not None:
             attn = add_decomposed_rel_pos(attn, q, self.rel_pos_h, self.rel_pos_w, q_hw, k_hw)
         if key_padding is not None:
             nW = key_padding.shape[0]
-            attn = attn.view(-1, nW, *attn.shape[1:])  # (B * heads, nW, Lq, Lk)
+            attn = attn.view(attn.shape[0] // nW, nW, *attn.shape[1:])  # (B * heads, nW, Lq, Lk)
             attn = attn.masked_fill(key_padding[None, :, None, :], float("-inf"))
             attn = attn.flatten(0, 1)  # (N, Lq, Lk)
         attn = attn.softmax(dim=-1)
         out = attn @ v  # (N, Lq, head_dim)
         if self.residual_pooling:
             out = out + q
-        out = out.reshape(-1, *q_hw, hd)  # (N, qh, qw, head_dim)
+        out = out.reshape(out.shape[0], *q_hw, hd)  # (N, qh, qw, head_dim)
         if windowed:
             out = window_unpartition(out, q_hw[0], q_padded, q_map)  # (B * heads, Hq, Wq, hd)
         Hq, Wq = q_map

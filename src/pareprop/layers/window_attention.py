@@ -39,15 +39,17 @@ def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
     B, H, W, C = x.shape
     x = x.view(B, H // window, window, W // window, window, C)
     x = x.permute(0, 1, 3, 2, 4, 5)  # (B, H/w, W/w, w, w, C)
-    return x.reshape(-1, window * window, C)  # (B * nW, N, C)
+    # Explicit sizes, never -1: a batch of 0 leaves nothing to infer it from.
+    return x.reshape(B * (H // window) * (W // window), window * window, C)  # (B * nW, N, C)
 
 
 def window_reverse(windows: torch.Tensor, window: int, H: int, W: int) -> torch.Tensor:
     """Inverse of :func:`window_partition`: ``(B * nW, window**2, C)`` -> ``(B, H, W, C)``."""
     C = windows.shape[-1]
-    x = windows.view(-1, H // window, W // window, window, window, C)
+    B = windows.shape[0] // ((H // window) * (W // window))
+    x = windows.view(B, H // window, W // window, window, window, C)
     x = x.permute(0, 1, 3, 2, 4, 5)  # (B, H/w, w, W/w, w, C)
-    return x.reshape(-1, H, W, C)
+    return x.reshape(B, H, W, C)
 
 
 def window_mask(
@@ -179,6 +181,7 @@ class WindowAttention(nn.Module):
         return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)
 
     def _heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        BnW, N, _ = qkv.shape
-        qkv = qkv.view(BnW, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        BnW, N, C3 = qkv.shape
+        qkv = qkv.view(BnW, N, 3, self.num_heads, C3 // (3 * self.num_heads))
+        qkv = qkv.permute(2, 0, 3, 1, 4)
         return qkv[0], qkv[1], qkv[2]  # each (B*nW, heads, N, head_dim)

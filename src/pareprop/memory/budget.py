@@ -230,8 +230,14 @@ def _measure_blocks(
         for index in range(len(stack.blocks)):
             key = (name, index)
             kept = sum(n for a, n in sizes.items() if owner[a] == key)
-            value = flops.get(key, 0.0) if cost == "flops" else statistics.median(seconds[key])
-            blocks.append(BlockCost(name, index, kept, inputs_bytes[key], value))
+            # A stack that built no graph (frozen, as in a linear probe, with an input that
+            # needs no gradient) never reached its probe: it keeps nothing and recomputes
+            # nothing, so storing its blocks costs and saves nothing.
+            if cost == "flops":
+                value = flops.get(key, 0.0)
+            else:
+                value = statistics.median(seconds.get(key, [0.0]))
+            blocks.append(BlockCost(name, index, kept, inputs_bytes.get(key, 0), value))
     outside = sum(n for a, n in sizes.items() if owner[a] is None)
     return _smooth(blocks), outside
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from timm.layers import trunc_normal_
 
 from pareprop.engine import set_engine as _set_engine
+from pareprop.models.published import PretrainedError, load_weights_file
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,6 +33,7 @@ __all__ = [
     "init_linears_",
     "init_weights_",
     "make_head",
+    "stage_group_matcher",
 ]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -44,6 +46,21 @@ def drop_path_rates(rate: float, depth: int) -> List[float]:
     Plain floats rather than ``torch.linspace`` so that meta-device builds work.
     """
     return [rate * i / max(depth - 1, 1) for i in range(depth)]
+
+
+def stage_group_matcher(coarse: bool, stem: str) -> Dict[str, Any]:
+    """timm's ``group_matcher`` for models of ``stages.{s}.transition`` and
+    ``stages.{s}.stack.blocks.{j}``: the stem, each block in depth order (the transition before
+    its stage's stack; the final norm joins the last block's group), then the head (last,
+    unmatched). ``coarse``
+    groups whole stages."""
+    blocks: List[Tuple[str, Any]] = [
+        (r"^stages\.(\d+)\.transition", (-1,)),
+        (r"^stages\.(\d+)\.stack\.blocks\.(\d+)", None),
+    ]
+    if coarse:
+        blocks = [(r"^stages\.(\d+)", None)]
+    return {"stem": stem, "blocks": [*blocks, (r"^norm", (99999,))]}
 
 
 def init_linear_(m: nn.Linear, truncated: bool = True) -> None:
@@ -128,7 +145,7 @@ class ClassifierMixin:
         """timm's description of the model's input and classifier (``default_cfg`` is timm's
         older name for it); ``extra`` keys go between the statistics and ``classifier``."""
         self.pretrained_cfg: Dict[str, Any] = {
-            "url": "",  # pareprop ships no weights
+            "url": "",  # set for models with published weights (pareprop.pretrained)
             "hf_hub_id": None,
             "input_size": input_size,
             "num_classes": self.num_classes,
@@ -139,6 +156,20 @@ class ClassifierMixin:
             "classifier": "head",
         }
         self.default_cfg = self.pretrained_cfg
+
+    def load_pretrained(self, path: Any) -> Any:
+        """Load a published or pareprop weight file from ``path``; timm calls this for
+        ``pretrained=True`` (``pretrained_cfg["custom_load"]``). ``pareprop.load_pretrained``
+        also takes checkpoint directories."""
+        return load_weights_file(self, path)  # type: ignore[arg-type]
+
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Map a published state dict onto this model's names (families with published
+        weights override this with their ``checkpoint_filter_fn``)."""
+        raise PretrainedError(
+            f"published weights exist only for Rev-ViT and Rev-MViT-B; {type(self).__name__} "
+            "loads pareprop checkpoints only"
+        )
 
     def _replace_head(self, num_classes: int, **head_kwargs: Any) -> None:
         """A fresh :func:`make_head` for ``num_classes``, recorded everywhere the class count is

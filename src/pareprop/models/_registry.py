@@ -24,16 +24,20 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from pareprop.engine import ReversibleStack
 from pareprop.models._features import StageFeatureNet
+from pareprop.models.published import load_published, published_cfg
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "model_spec",
            "unknown_model_message"]
 
 _MODEL_FACTORIES: Dict[str, Callable[..., nn.Module]] = {}
 
-# Keywords timm's create_model passes to every factory; they describe pretrained weights, of
-# which pareprop ships none.
-_TIMM_KEYWORDS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+# Keywords timm's create_model passes to every factory: where pretrained weights come from
+# (pareprop.models.published.load_published). pretrained_cfg_overlay is applied to the model's
+# pretrained_cfg (mean/std overrides reach timm's resolve_data_config; "file" is a local copy
+# of the published weights).
+_TIMM_KEYWORDS = ("pretrained_cfg", "cache_dir")
 
 
 def register_model(
@@ -57,13 +61,10 @@ def register_model(
         out_indices: Any = None,
         **overrides: Any,
     ) -> nn.Module:
-        for key in _TIMM_KEYWORDS:
-            overrides.pop(key, None)
-        if pretrained:
-            raise ValueError(
-                f"pareprop ships no pretrained weights for {name!r}; "
-                "create it with pretrained=False and train it, or load a pareprop checkpoint"
-            )
+        timm_kw = {key: overrides.pop(key, None) for key in _TIMM_KEYWORDS}
+        overlay = overrides.pop("pretrained_cfg_overlay", None) or {}
+        if not isinstance(overlay, dict):
+            raise ValueError(f"expected pretrained_cfg_overlay to be a dict, got {overlay!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"expected a floating torch.dtype for dtype, got {dtype!r}")
         if device is None:
@@ -71,11 +72,18 @@ def register_model(
         else:
             with torch.device(device):
                 model = fn(**overrides)
+        if isinstance(getattr(model, "pretrained_cfg", None), dict):
+            model.pretrained_cfg.update(published_cfg(name))
+        if overlay:
+            model.pretrained_cfg.update(overlay)  # default_cfg is the same dict
+        if pretrained:
+            load_published(model, name, **timm_kw)
         if dtype is not None:
             model.to(dtype=dtype)
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).
         model.model_name = name
         model.model_kwargs = dict(overrides)
+        model._created_engine = _engine_of(model)  # model_spec records a later change
         if features_only:
             return _feature_net(model, out_indices)
         if out_indices is not None:
@@ -146,4 +154,15 @@ def model_spec(model: nn.Module) -> Dict[str, Any]:
     name = getattr(model, "model_name", None)
     if name is None or name not in _MODEL_FACTORIES:
         raise ValueError("model was not created by pareprop.create_model, so it has no spec")
-    return {"name": name, "kwargs": dict(getattr(model, "model_kwargs", {}))}
+    kwargs = dict(getattr(model, "model_kwargs", {}))
+    # An engine set after creation (set_engine) is part of the model as it runs now.
+    engine = _engine_of(model)
+    if engine is not None and engine != getattr(model, "_created_engine", engine):
+        kwargs["engine"] = engine
+    return {"name": name, "kwargs": kwargs}
+
+
+def _engine_of(model: nn.Module) -> Optional[str]:
+    """The engine of the model's reversible stacks, when they share one."""
+    engines = {m.engine for m in model.modules() if isinstance(m, ReversibleStack)}
+    return engines.pop() if len(engines) == 1 else None

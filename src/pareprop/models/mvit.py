@@ -47,6 +47,7 @@ from pareprop.models._base import (
     drop_path_rates,
     init_linears_,
     make_head,
+    stage_group_matcher,
 )
 from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
@@ -433,6 +434,13 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if n.endswith(("rel_pos_h", "rel_pos_w"))}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the stem, each block in
+        depth order (a transition before its stage's stack), then the head
+        (timm puts the final norm in the last block's group)."""
+        return stage_group_matcher(coarse, r"^patch_embed")
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""

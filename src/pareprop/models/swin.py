@@ -392,6 +392,23 @@ class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
 
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the stem, then per stage
+        its patch merging, its blocks and its stream fusion, then the head
+        (timm puts the final norm in the last block's group)."""
+        if coarse:
+            return {"stem": r"^patch_embed", "blocks": [(r"^stages\.(\d+)", None),
+                                                         (r"^norm", (99999,))]}
+        return {
+            "stem": r"^patch_embed",
+            "blocks": [
+                (r"^stages\.(\d+)\.downsample", (-1,)),
+                (r"^stages\.(\d+)\.blocks\.blocks\.(\d+)", None),
+                (r"^stages\.(\d+)\.fuse", (99998,)),
+                (r"^norm", (99999,)),
+            ],
+        }
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):

@@ -305,7 +305,10 @@ class _TextModel(ClassifierMixin, nn.Module):
             ((attention_mask != 0) & (attention_mask != 1)).any()
         ):
             raise ValueError("expected attention_mask values 0 (padding) and 1 (real tokens)")
-        mask = attention_mask.bool()
+        # A copy, never the caller's tensor (.bool() of a bool tensor is the tensor itself): the
+        # reversible engines reuse the mask in backward, and a caller may refill its buffer for
+        # the next batch before that (NOTE [ Keyword tensors in recomputation ] in engine.py).
+        mask = attention_mask.to(torch.bool, copy=True)
         if not bool(mask.any(dim=1).all()):
             raise ValueError("expected at least one real token (mask 1) in every sequence")
         return mask
@@ -353,6 +356,15 @@ class _TextModel(ClassifierMixin, nn.Module):
 
     def no_weight_decay(self) -> Set[str]:
         return {"embeddings.position_embeddings.weight"}
+
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the embeddings, each
+        block, then the head
+        (timm puts the final norm in the last block's group)."""
+        return {
+            "stem": r"^embeddings",
+            "blocks": [(r"^blocks\.blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
 
     def reset_classifier(self, num_classes: int) -> None:
         w = self.norm.weight  # the new head lives where the model lives

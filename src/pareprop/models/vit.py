@@ -34,8 +34,9 @@ from pareprop.models._base import (
 )
 from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
+from pareprop.models.published import PretrainedError, detect_layout
 
-__all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS"]
+__all__ = ["ViTConfig", "RevViT", "RevViTBlock", "VIT_CONFIGS", "checkpoint_filter_fn"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class ViTConfig:
     proj_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     engine: str = "reversible"
+    # True (the published Rev-ViT): LayerNorm(2C) on every token, then the mean over tokens.
+    # False: the mean first, then LayerNorm(2C) (pareprop's placement before the published
+    # weights were loadable; kept for checkpoints trained that way).
+    norm_before_pool: bool = True
     mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
     std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
 
@@ -142,7 +147,8 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.num_features = 2 * cfg.embed_dim
-        self._set_image_pretrained_cfg(crop_pct=0.9 if H >= 224 else 1.0, fixed_input_size=True)
+        # The published evaluation transform: resize to 256 (bicubic), centre crop 224.
+        self._set_image_pretrained_cfg(crop_pct=0.875 if H >= 224 else 1.0, fixed_input_size=True)
 
         self.patch_embed = PatchEmbed(
             cfg.in_chans, cfg.embed_dim, cfg.patch_size, cfg.patch_size, flatten=True
@@ -170,7 +176,11 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.feature_info = [
             {"num_chs": 2 * cfg.embed_dim, "reduction": cfg.patch_size, "module": "stack"}
         ]
-        self.fc_norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        # timm's names: ``norm`` acts on every token, ``fc_norm`` on the pooled features; the
+        # one not in use is an identity (NOTE [ Published Rev-ViT head ] below).
+        final_norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        self.norm = final_norm if cfg.norm_before_pool else nn.Identity()
+        self.fc_norm = nn.Identity() if cfg.norm_before_pool else final_norm
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
         self._init_weights()
@@ -185,6 +195,15 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     def no_weight_decay(self) -> Set[str]:
         return {"pos_embed"}
 
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (layer-wise learning-rate decay): the stem, each block,
+        then the head (timm puts the final norm in the last block's group)."""
+        return {
+            "stem": r"^pos_embed|^patch_embed",
+            "blocks": [(r"^stack\.blocks\.(\d+)", None), (r"^norm|^fc_norm", (99999,))],
+        }
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):
@@ -194,12 +213,23 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` to the stack's output tokens ``(B, N, 2 * embed_dim)``."""
+    # NOTE [ Published Rev-ViT head ]
+    # PySlowFast's Rev-ViT (and mmpretrain's port of it) normalises every token of the 2C-wide
+    # stack output with LayerNorm(2C, eps 1e-6) and then averages the tokens; the two do not
+    # commute (LayerNorm is not linear), so the published weights only reproduce their logits
+    # with this order. As in timm's VisionTransformer, ``forward_features`` ends with ``norm``
+    # and ``forward_head`` pools, then applies ``fc_norm`` (an identity here unless
+    # ``norm_before_pool=False``).
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
         x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
         x1, x2 = self.stack(x, x)
         return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` to the normalised output tokens ``(B, N, 2 * embed_dim)``."""
+        return self.norm(self._tokens(x))
 
     def forward_intermediates(
         self,
@@ -213,13 +243,15 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         """timm's ``forward_intermediates`` with one feature, the stack's end, as a map.
 
         ``indices`` selects that one feature (None, 1, ``[0]`` or ``[-1]``); a block inside
-        the stack raises, as its output is never kept. ``norm`` applies ``fc_norm`` per token.
-        ``stop_early`` changes nothing (there is nothing after the stack's end).
+        the stack raises, as its output is never kept. ``norm`` applies the final LayerNorm per
+        token. ``stop_early`` changes nothing (there is nothing after the stack's end).
         """
         check_output_fmt(output_fmt)
         take, _ = feature_take_indices(1, indices)
-        tokens = self.forward_features(x)  # (B, N, 2C)
-        y = self.fc_norm(tokens) if norm else tokens
+        raw = self._tokens(x)  # (B, N, 2C)
+        tokens = self.norm(raw)
+        final_norm = self.fc_norm if isinstance(self.norm, nn.Identity) else self.norm
+        y = final_norm(raw) if norm else raw
         y = y.reshape(y.shape[0], *self.grid_size, y.shape[-1])  # (B, H', W', 2C)
         features = [y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y] * len(
             take
@@ -237,6 +269,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         if prune_head:
             self.reset_classifier(0)
         if prune_norm:
+            self.norm = nn.Identity()
             self.fc_norm = nn.Identity()
         return take
 
@@ -247,6 +280,79 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
+        return checkpoint_filter_fn(state, self)
+
+
+def checkpoint_filter_fn(
+    state_dict: Dict[str, torch.Tensor], model: RevViT
+) -> Dict[str, torch.Tensor]:
+    """Map a published Rev-ViT state dict (PySlowFast's or mmpretrain's) onto ``model``'s names.
+
+    PySlowFast: ``rev_backbone.layers.{i}.F.norm / F.attn.{q,k,v,proj} / G.norm / G.mlp.*``,
+    ``norm`` (2C), ``head.projection``. mmpretrain: ``backbone.layers.{i}.ln1 / attn.qkv /
+    attn.proj / ln2 / ffn.layers.0.0 / ffn.layers.1``, ``backbone.ln1`` (2C), ``head.fc``,
+    and a position embedding that may carry an unused class-token slot first. Separate q, k,
+    v maps are stacked into ``qkv`` (same product, one matmul). Keys of no known layout are
+    passed through, so that the strict check names them.
+    """
+    layout = detect_layout(state_dict)
+    if layout == "pareprop":
+        return state_dict
+    if not model.cfg.norm_before_pool:
+        raise PretrainedError(
+            "the published Rev-ViT normalises every token before the mean: create the model "
+            "with norm_before_pool=True (the default) to load its weights"
+        )
+    if layout == "pyslowfast":
+        block = {"F.norm": "norm1", "F.attn": "attn", "G.norm": "norm2", "G.mlp": "mlp"}
+        top = {"norm": "norm", "head.projection": "head"}
+        prefix = "rev_backbone.layers."
+    else:
+        block = {"ln1": "norm1", "attn": "attn", "ln2": "norm2",
+                 "ffn.layers.0.0": "mlp.fc1", "ffn.layers.1": "mlp.fc2"}
+        top = {"backbone.ln1": "norm", "head.fc": "head",
+               "backbone.patch_embed.projection": "patch_embed.proj",
+               "backbone.pos_embed": "pos_embed"}
+        prefix = "backbone.layers."
+    out: Dict[str, torch.Tensor] = {}
+    qkv: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        if key == "backbone.cls_token":
+            continue  # mmpretrain keeps a class token the reversible model never uses
+        new = key
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            for old, ours in block.items():
+                if rest.startswith(old + "."):
+                    rest = ours + rest[len(old):]
+                    break
+            new = f"stack.blocks.{i}.{rest}"
+            part = rest.split(".")
+            if len(part) == 3 and part[0] == "attn" and part[1] in ("q", "k", "v"):
+                qkv.setdefault(f"stack.blocks.{i}.attn.qkv.{part[2]}", {})[part[1]] = value
+                continue
+        else:
+            for old, ours in top.items():
+                if key.startswith(old + ".") or key == old:
+                    new = ours + key[len(old):]
+                    break
+        out[new] = value
+    for key, parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise PretrainedError(
+                f"incomplete attention in the file: {key} has only {sorted(parts)}"
+            )
+        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    pos = out.get("pos_embed")
+    if pos is not None and pos.ndim == 3 and pos.shape[1] == model.pos_embed.shape[1] + 1:
+        out["pos_embed"] = pos[:, 1:]  # the class-token slot mmpretrain's conversion adds
+    w = out.get("patch_embed.proj.weight")
+    if w is not None and w.ndim == 5 and w.shape[2] == 1:
+        out["patch_embed.proj.weight"] = w.squeeze(2)  # a 3-D patch convolution of one frame
+    return out
 
 
 # fmt: off

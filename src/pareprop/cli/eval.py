@@ -1,0 +1,108 @@
+"""``pareprop eval``: top-1/top-5 accuracy of a model on an image folder (ImageNet's validation
+layout), with the published weights, a local weight file or a pareprop checkpoint.
+
+Examples::
+
+    pareprop eval --model rev_vit_base_patch16_224 --pretrained --data-dir imagenet/val
+    pareprop eval --model rev_mvit_base --checkpoint REV_MVIT_B.pyth --data-dir imagenet/val \\
+        --engine pareprop --amp bf16 --json result.json
+    pareprop eval --checkpoint runs/finetune/best --data-dir flowers/val
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import pareprop
+from pareprop.checkpoint import META, CheckpointError
+from pareprop.cli.train import _parse_model_args
+from pareprop.engine import ENGINES
+from pareprop.evaluate import evaluate
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pareprop eval",
+        description="Top-1/top-5 accuracy on an ImageFolder with the model's own evaluation "
+        "transform (timm's resolve_data_config and create_transform).",
+    )
+    p.add_argument("--model", metavar="NAME", help="registered model name (not needed with a "
+                   "pareprop checkpoint, which names its model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pretrained", action="store_true",
+                     help="the publisher's weights (downloaded through timm; offline, use "
+                     "--checkpoint with a local copy)")
+    src.add_argument("--checkpoint", metavar="PATH",
+                     help="a PySlowFast or mmpretrain weight file, a .safetensors file, or a "
+                     "pareprop checkpoint directory")
+    p.add_argument("--data-dir", required=True, metavar="DIR",
+                   help="one sub-folder of images per class")
+    p.add_argument("--model-arg", dest="model_args", action="append", default=[],
+                   metavar="KEY=VALUE", help="override a model config field (repeatable)")
+    p.add_argument("--engine", choices=ENGINES, help="switch the reversible stacks first")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--limit", type=int, help="evaluate only the first N images")
+    p.add_argument("--json", metavar="PATH", help="also write the result here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _is_pareprop_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and (
+        os.path.exists(os.path.join(path, META)) or os.path.exists(os.path.join(path, "last"))
+    )
+
+
+def build_model(args: argparse.Namespace):
+    """The model ``args`` describe, with its weights."""
+    kwargs = _parse_model_args(args.model_args)
+    if args.checkpoint and _is_pareprop_checkpoint(args.checkpoint):
+        return pareprop.load_model(args.checkpoint, **kwargs)
+    if not args.model:
+        raise ValueError("--model NAME is needed unless --checkpoint is a pareprop checkpoint")
+    if args.pretrained:
+        return pareprop.create_model(args.model, pretrained=True, **kwargs)
+    model = pareprop.create_model(args.model, **kwargs)
+    pareprop.load_pretrained(model, args.checkpoint)
+    return model
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    try:
+        model = build_model(args)
+        result = evaluate(
+            model,
+            args.data_dir,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            engine=args.engine,
+            amp=args.amp,
+            device=args.device,
+            progress=not args.no_progress,
+            limit=args.limit,
+        )
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"pareprop eval: error: {e}", file=sys.stderr)
+        return 2
+    result = {"model": getattr(model, "model_name", args.model),
+              "weights": args.checkpoint or "pretrained", **result}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0

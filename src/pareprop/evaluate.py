@@ -1,0 +1,128 @@
+"""Top-1/top-5 accuracy of a classifier on an image folder, with the model's own evaluation
+transform.
+
+The folder has ImageNet's validation layout: one sub-folder per class, whose sorted names give
+the class indices (``torchvision.datasets.ImageFolder``); for ImageNet-1k that is the order
+of the 1000 WordNet ids the published models were trained with. The transform comes from the
+model's ``pretrained_cfg`` through timm (``resolve_data_config`` then ``create_transform``):
+for the published reversible models, resize to 256 (bicubic), centre crop 224, ImageNet mean
+and standard deviation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+from timm.data import create_transform, resolve_data_config
+from torchvision.datasets import ImageFolder
+from tqdm.auto import tqdm
+
+from pareprop.engine import ReversibleStack, set_engine
+
+__all__ = ["evaluate", "eval_loader"]
+
+
+def eval_loader(
+    model: nn.Module, data_dir: str, batch_size: int = 64, workers: int = 2
+) -> torch.utils.data.DataLoader:
+    """A DataLoader over ``data_dir`` (an ImageFolder) with ``model``'s evaluation transform."""
+    if not os.path.isdir(data_dir):
+        raise ValueError(f"expected --data-dir to be a folder of class folders, got {data_dir!r}")
+    config = resolve_data_config({}, model=model)
+    dataset = ImageFolder(data_dir, transform=create_transform(**config, is_training=False))
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=workers
+    )
+
+
+def evaluate(
+    model: nn.Module,
+    data_dir: str,
+    *,
+    batch_size: int = 64,
+    workers: int = 2,
+    engine: Optional[str] = None,
+    amp: str = "none",
+    device: Any = None,
+    progress: bool = True,
+    limit: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Top-1 and top-5 accuracy (percent) of ``model`` on the ImageFolder ``data_dir``.
+
+    Args:
+        model: a classifier whose ``num_classes`` equals the folder's class count.
+        data_dir: one sub-folder per class.
+        batch_size: images per forward.
+        workers: data-loading processes.
+        engine: switch reversible stacks to this engine first (None: leave them).
+        amp: ``"none"`` or ``"bf16"`` (autocast).
+        device: where to run (default: CUDA if available, else CPU).
+        progress: show a tqdm progress bar.
+        limit: evaluate only the first ``limit`` images (in folder order).
+
+    Returns:
+        ``{"top1", "top5", "images", "classes", "engine", "amp", "seconds", "data_config"}``.
+    """
+    if amp not in ("none", "bf16"):
+        raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
+    if engine is not None:
+        set_engine(model, engine)
+    loader = eval_loader(model, data_dir, batch_size, workers)
+    classes = len(loader.dataset.classes)
+    num_classes = getattr(model, "num_classes", None)
+    if num_classes is not None and num_classes != classes:
+        raise ValueError(
+            f"{data_dir!r} has {classes} class folders but the model predicts {num_classes} "
+            "classes; evaluate on a folder with one sub-folder per class of the model"
+        )
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model.to(device).eval()
+    k5 = min(5, classes)
+    correct1 = correct5 = seen = 0
+    total = len(loader.dataset) if limit is None else min(limit, len(loader.dataset))
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if amp == "bf16"
+        else contextlib.nullcontext()
+    )
+    start = time.perf_counter()
+    with torch.no_grad(), autocast, tqdm(
+        total=total, disable=not progress, unit="img", desc="eval", dynamic_ncols=True
+    ) as bar:
+        for images, labels in loader:
+            if seen >= total:
+                break
+            images, labels = images[: total - seen].to(device), labels[: total - seen].to(device)
+            logits = model(images).float()
+            top = logits.topk(k5, dim=1).indices  # (B, k)
+            hits = top == labels[:, None]
+            correct1 += int(hits[:, 0].sum())
+            correct5 += int(hits.any(dim=1).sum())
+            seen += len(labels)
+            bar.update(len(labels))
+            bar.set_postfix(top1=f"{100 * correct1 / seen:.2f}")
+    if seen == 0:
+        raise ValueError(f"{data_dir!r} holds no images")
+    config = resolve_data_config({}, model=model)
+    return {
+        "top1": 100.0 * correct1 / seen,
+        "top5": 100.0 * correct5 / seen,
+        "images": seen,
+        "classes": classes,
+        "engine": _engine_of(model),
+        "amp": amp,
+        "seconds": time.perf_counter() - start,
+        "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
+    }
+
+
+def _engine_of(model: nn.Module) -> Optional[str]:
+    for m in model.modules():
+        if isinstance(m, ReversibleStack):
+            return m.engine
+    return None

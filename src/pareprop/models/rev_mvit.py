@@ -1,0 +1,430 @@
+"""Rev-MViT: the published reversible multiscale vision transformer (MViTv1 pooling attention).
+
+Mangalam et al., "Reversible Vision Transformers", CVPR 2022 (Rev-MViT-B: 39.7M parameters,
+82.9% ImageNet-1k top-1 as published by the authors); Fan et al., "Multiscale Vision
+Transformers", ICCV 2021 (pooling attention). This is the architecture of PySlowFast's
+``configs/ImageNet/REV_MVIT_B_16_CONV.yaml``, so that its weights load as published; it is not
+:mod:`pareprop.models.mvit` (Rev-MViTv2: relative positions, residual pooling, windows,
+max-pooled shortcuts).
+
+NOTE [ Published Rev-MViT-B ]
+Depth 16; blocks 1, 3 and 14 are non-reversible stage transitions, every other block is
+reversible and each run of them is one :class:`~pareprop.ReversibleStack` whose two streams
+end side by side, so the width doubles at every stage (96, 192, 384, 768) while the head width
+stays ``embed_dim / num_heads`` (heads 1, 2, 4, 8). Patch embedding: convolution 7/4/3, then an
+absolute position embedding over the 56x56 map. Keys and values are pooled in every block
+(stride 4 in the first stage, halved at each transition, not below 1); queries are pooled
+(stride 2) only in transitions. A transition (width 2C in and out):
+
+    x = x + MLP(x)                          # 2C -> 4C -> 2C, GELU, no norm: the stream fusion
+    shortcut = norm_q(pool_q(x))            # the SAME convolution and norm as its queries
+    x = shortcut + attn(norm1(x))
+    x = x + mlp(norm2(x))
+
+The head: LayerNorm(2C) on every token, the mean over tokens, a linear classifier.
+
+Differences kept on purpose: PySlowFast applies a transition's stochastic depth to its whole
+output (``x = drop_path(x)`` after both residuals); here it acts on each residual branch as
+everywhere else in pareprop. Evaluation (no drop path) is identical; only fine-tuning with
+``drop_path_rate > 0`` differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import Mlp, trunc_normal_
+
+from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.layers import PatchEmbed, check_image, make_config, to_2tuple_int
+from pareprop.layers.drop import DropPath
+from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
+from pareprop.models._base import (
+    ReversibleImageModelMixin,
+    drop_path_rates,
+    init_linears_,
+    make_head,
+    stage_group_matcher,
+)
+from pareprop.models._features import StageFeaturesMixin
+from pareprop.models._registry import register_model
+from pareprop.models.mvit import MViTStage
+from pareprop.models.published import PretrainedError, detect_layout
+
+__all__ = [
+    "RevMViTv1Config",
+    "RevMViTv1",
+    "RevMViTv1Block",
+    "RevMViTv1Transition",
+    "REV_MVIT_CONFIGS",
+    "checkpoint_filter_fn",
+]
+
+
+@dataclass(frozen=True)
+class RevMViTv1Config:
+    """Everything that defines a Rev-MViT (v1); variants are rows of :data:`REV_MVIT_CONFIGS`."""
+
+    img_size: Union[int, Tuple[int, int]] = 224
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 96
+    depth: int = 16
+    num_heads: int = 1
+    transition_blocks: Tuple[int, ...] = (1, 3, 14)  # PySlowFast's MVIT.REV.BUFFER_LAYERS
+    patch_kernel: int = 7
+    patch_stride: int = 4
+    patch_padding: int = 3
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    pool_kernel: int = 3
+    kv_stride: int = 4  # of the first stage; halves at every transition, not below 1
+    fusion_mlp_ratio: float = 2.0  # PySlowFast's PRE_Q_FUSION "concat_linear_2"
+    drop_rate: float = 0.0  # dropout before the classifier
+    drop_path_rate: float = 0.0
+    engine: str = "reversible"
+    mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
+
+
+def _check_config(cfg: RevMViTv1Config) -> None:
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
+    if cfg.num_classes < 0:
+        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+    t = cfg.transition_blocks
+    starts = [0, *t]
+    ends = [*t, cfg.depth]
+    ok = list(t) == sorted(set(t)) and all(1 <= i < cfg.depth for i in t)
+    # Every stage needs at least one reversible block: the first stage before the first
+    # transition, every later one after its transition.
+    if not ok or any(e - s < (1 if s == 0 else 2) for s, e in zip(starts, ends)):
+        raise ValueError(
+            f"expected transition_blocks increasing in 1..depth-1 with at least one "
+            f"reversible block after each (depth={cfg.depth}), got {t}"
+        )
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """Derived layout of one stage: its transition block (if any) and reversible blocks."""
+
+    transition: int | None
+    reversible: List[int]
+    width: int  # of the stage's blocks (2C of the previous stage's streams)
+    num_heads: int
+    kv_stride: int
+
+
+def _plan(cfg: RevMViTv1Config) -> List[_Stage]:
+    starts = [0, *cfg.transition_blocks]
+    ends = [*cfg.transition_blocks, cfg.depth]
+    plans, width = [], cfg.embed_dim
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        transition = a if s > 0 else None
+        if transition is not None:
+            width *= 2  # the previous stack's two streams side by side
+        plans.append(
+            _Stage(
+                transition=transition,
+                reversible=list(range(a + (s > 0), b)),
+                width=width,
+                num_heads=cfg.num_heads * 2**s,
+                kv_stride=max(cfg.kv_stride // 2**s, 1),
+            )
+        )
+    return plans
+
+
+class RevMViTv1Block(ReversibleBlock):
+    """Reversible block: F = LayerNorm + pooling attention (keys and values pooled), G =
+    LayerNorm + MLP. Tokens ``(B, H*W, C)``; the stack passes ``hw=(H, W)``.
+
+    Args:
+        dim: width C of each stream.
+        num_heads: attention heads.
+        kv_stride: key/value pooling stride.
+        mlp_ratio: MLP hidden width over ``dim``.
+        qkv_bias: bias in the query, key and value maps.
+        pool_kernel: kernel of the pooling convolutions.
+        drop_path: stochastic-depth rate of both branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kv_stride: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        pool_kernel: int = 3,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = MultiScaleAttention(dim, num_heads, qkv_bias, pool_kernel, 1, kv_stride)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def f(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path1(self.attn(self.norm1(x), hw)[0])
+
+    def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class RevMViTv1Transition(nn.Module):
+    """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B ]):
+    ``(B, H, W, C) -> (B, ceil(H/2), ceil(W/2), C)``.
+
+    Args:
+        dim: width in and out (2C of the previous stage's streams).
+        num_heads: attention heads (doubled from the previous stage).
+        kv_stride: key/value pooling stride.
+        mlp_ratio, qkv_bias, pool_kernel, drop_path: as in :class:`RevMViTv1Block`.
+        fusion_mlp_ratio: hidden ratio of the residual MLP that fuses the two streams first;
+            0 for none.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kv_stride: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        pool_kernel: int = 3,
+        drop_path: float = 0.0,
+        fusion_mlp_ratio: float = 2.0,
+    ):
+        super().__init__()
+        self.fuse: nn.Module | None = None
+        if fusion_mlp_ratio > 0:
+            self.fuse = Mlp(dim, int(dim * fusion_mlp_ratio), act_layer=nn.GELU)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = MultiScaleAttention(dim, num_heads, qkv_bias, pool_kernel, 2, kv_stride)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        x = x.reshape(B, H * W, C)  # (B, N, C)
+        if self.fuse is not None:
+            x = x + self.fuse(x)
+        # The shortcut is pooled by the attention's own query convolution and norm (tied).
+        shortcut, (Hq, Wq) = pool_heads(
+            self.attn.split_heads(x), (H, W), self.attn.pool_q, self.attn.norm_q
+        )  # (B, heads, N', hd)
+        shortcut = shortcut.transpose(1, 2).reshape(B, Hq * Wq, C)  # (B, N', C)
+        a, _ = self.attn(self.norm1(x), (H, W))  # (B, N', C)
+        x = shortcut + self.drop_path1(a)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x.view(B, Hq, Wq, C)  # (B, H', W', C)
+
+
+class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
+    """The published reversible MViT (Rev-MViT-B).
+
+    Args:
+        cfg: the configuration; see :class:`RevMViTv1Config`.
+    """
+
+    def __init__(self, cfg: RevMViTv1Config):
+        super().__init__()
+        cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
+        _check_config(cfg)
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans,
+            cfg.embed_dim,
+            cfg.patch_kernel,
+            cfg.patch_stride,
+            cfg.patch_padding,
+            flatten=False,
+        )
+        self.grid_size = grid = self.patch_embed.output_size(cfg.img_size)
+        if min(grid) < 1:
+            raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], cfg.embed_dim))
+
+        plans = _plan(cfg)
+        self.num_stages = len(plans)
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
+        common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
+        stages, self.feature_info = [], []
+        for s, p in enumerate(plans):
+            if p.width % p.num_heads:
+                raise ValueError(
+                    f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
+                    "(heads double every stage); lower num_heads or raise embed_dim"
+                )
+            transition = None
+            if p.transition is not None:
+                transition = RevMViTv1Transition(
+                    p.width,
+                    p.num_heads,
+                    p.kv_stride,
+                    drop_path=dpr[p.transition],
+                    fusion_mlp_ratio=cfg.fusion_mlp_ratio,
+                    **common,
+                )
+            blocks = [
+                RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=dpr[i], **common)
+                for i in p.reversible
+            ]
+            stack = ReversibleStack(blocks, engine=cfg.engine)
+            stages.append(MViTStage(transition, stack))
+            self.feature_info.append(
+                {
+                    "num_chs": 2 * p.width,
+                    "reduction": cfg.patch_stride * 2**s,
+                    "module": f"stages.{s}",
+                }
+            )
+        self.stages = nn.ModuleList(stages)
+        self._block_paths = _block_paths(plans)
+
+        self.num_classes = cfg.num_classes
+        self.num_features = 2 * plans[-1].width
+        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)  # on every token, before the mean
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = make_head(self.num_features, cfg.num_classes)
+        self._set_image_pretrained_cfg(
+            crop_pct=0.875 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=True
+        )
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.pos_embed, std=0.02)
+        init_linears_(self.stages)
+
+    def block_paths(self) -> List[str]:
+        """Module path of block ``i`` (PySlowFast's ``rev_backbone.layers.{i}``), in order."""
+        return list(self._block_paths)
+
+    # -- timm model interface -------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {"pos_embed"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (for layer-wise learning-rate decay): the stem, then each
+        block in depth order (a transition before its stage's stack), then the head."""
+        return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
+        self._replace_head(num_classes)
+        self.head.to(self.pos_embed.device, self.pos_embed.dtype)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
+        x = self.patch_embed(x)  # (B, H, W, C)
+        return x + self.pos_embed.view(1, *self.grid_size, -1)
+
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)  # per token, as published (before the mean)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` to the normalised last map ``(B, H', W', num_features)``."""
+        x = self._stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self._end(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(x.mean(dim=(1, 2)))  # (B, C)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
+        return checkpoint_filter_fn(state, self)
+
+
+def _block_paths(plans: List[_Stage]) -> List[str]:
+    paths: Dict[int, str] = {}
+    for s, p in enumerate(plans):
+        if p.transition is not None:
+            paths[p.transition] = f"stages.{s}.transition"
+        for j, i in enumerate(p.reversible):
+            paths[i] = f"stages.{s}.stack.blocks.{j}"
+    return [paths[i] for i in sorted(paths)]
+
+
+def checkpoint_filter_fn(
+    state_dict: Dict[str, torch.Tensor], model: RevMViTv1
+) -> Dict[str, torch.Tensor]:
+    """Map PySlowFast's Rev-MViT state dict onto ``model``'s names.
+
+    ``rev_backbone.layers.{i}`` becomes block ``i``'s module (:meth:`RevMViTv1.block_paths`);
+    inside it ``F.norm -> norm1``, ``F.attn -> attn``, ``G.norm -> norm2``, ``G.mlp -> mlp``,
+    ``pre_q_fuse.fuse_fn -> fuse``; ``head.projection -> head``. The pooling convolutions are
+    stored as Conv3d over one frame, ``(hd, 1, 1, k, k)``, and lose that axis. Keys of no known
+    layout are passed through, so that the strict check names them.
+    """
+    layout = detect_layout(state_dict)
+    if layout == "pareprop":
+        return state_dict
+    if layout != "pyslowfast":
+        raise PretrainedError(
+            f"Rev-MViT-B weights are published by PySlowFast only; got a {layout} file"
+        )
+    paths = model.block_paths()
+    renames = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp.",
+               "pre_q_fuse.fuse_fn.": "fuse."}
+    prefix = "rev_backbone.layers."
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        new = key
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            if not i.isdigit() or int(i) >= len(paths):
+                raise PretrainedError(
+                    f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
+                    "create it with the file's depth"
+                )
+            for old, ours in renames.items():
+                if rest.startswith(old):
+                    rest = ours + rest[len(old):]
+                    break
+            new = f"{paths[int(i)]}.{rest}"
+        elif key.startswith("head.projection."):
+            new = "head." + key[len("head.projection."):]
+        if value.ndim == 5 and value.shape[2] == 1:
+            value = value.squeeze(2)  # Conv3d over one frame -> Conv2d
+        out[new] = value
+    return out
+
+
+# fmt: off
+REV_MVIT_CONFIGS: Dict[str, RevMViTv1Config] = {
+    # PySlowFast configs/ImageNet/REV_MVIT_B_16_CONV.yaml (39.7M params).
+    "rev_mvit_base": RevMViTv1Config(),
+}
+# fmt: on
+
+
+def _create(name: str, **overrides: Any) -> RevMViTv1:
+    return RevMViTv1(make_config(REV_MVIT_CONFIGS[name], **overrides))
+
+
+@register_model
+def rev_mvit_base(**kwargs: Any) -> RevMViTv1:
+    return _create("rev_mvit_base", **kwargs)

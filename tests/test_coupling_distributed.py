@@ -1,0 +1,97 @@
+"""The scaled coupling under DDP and FSDP2 (2 gloo processes, float64): a converted ViT at
+(alpha, beta) = (0.3, 0.5), every engine, one stored block, equals one process on the whole
+batch with plain autograd."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from timm.models.vision_transformer import VisionTransformer
+
+import pareprop
+from pareprop import fsdp
+from pareprop.distributed import wrap_ddp
+from pareprop.engine import ENGINES
+
+pytestmark = pytest.mark.skipif(
+    not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
+)
+
+SMALL = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, num_heads=2, num_classes=5,
+             depth=3, reg_tokens=1, init_values=0.5)
+BATCH, LR = 8, 0.5
+
+
+def _model(engine, stored=()):
+    torch.manual_seed(0)
+    model = pareprop.convert(VisionTransformer(**SMALL), engine=engine, tolerance=None)
+    pareprop.set_coupling(model, 0.3, 0.5)
+    model.stack.store_blocks(stored)
+    return model.double().train()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 1, 8, 8, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 5, (BATCH,), generator=g)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _step(model, net, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _cases():
+    for engine in ENGINES:
+        yield engine, "ddp", ()
+        yield engine, "fsdp", ()
+    yield "pareprop", "fsdp", (1,)
+
+
+def _worker(rank, world, init_file, out):
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                             world_size=world)
+    try:
+        x, y = _batch()
+        xs, ys = x[rank::world], y[rank::world]
+        results = {}
+        for engine, wrapper, stored in _cases():
+            model = _model(engine, stored)
+            if wrapper == "ddp":
+                results[(engine, wrapper, stored)] = _step(model, wrap_ddp(model), xs, ys)
+            else:
+                fsdp.shard(model)
+                results[(engine, wrapper, stored)] = _step(model, model, xs, ys)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("coupling_dist")
+    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_two_processes_equal_one_with_a_scaled_coupling(results, case):
+    x, y = _batch()
+    model = _model("autograd")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _step(model, model, x, y)
+    for rank in range(2):
+        got = results[rank][case]
+        for name, want in ref.items():
+            moved = (want - before[name]).norm().item()
+            err = (got[name] - want).norm().item() / max(moved, 1e-30)
+            assert err < 1e-10, f"rank {rank}, {name}: relative error {err:.2e} of the update"

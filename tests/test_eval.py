@@ -1,0 +1,112 @@
+"""``pareprop eval`` on a tiny ImageFolder: its top-1/top-5 equal a direct computation with an
+independent reference forward and a hand-built transform; every input path works."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from torchvision import transforms
+
+import pareprop
+from pareprop.cli import main as cli
+from pareprop.evaluate import evaluate
+
+# Shared with the published-weights tests (pytest puts tests/ on sys.path).
+from test_pretrained import VIT, _slowfast_file, reference_slowfast_vit, slowfast_vit_state
+
+CLASSES = 6
+ARGS = [f"--model-arg={k}={v}" for k, v in {**VIT, "num_classes": CLASSES}.items()]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("val")
+    rng = np.random.default_rng(0)
+    for c in range(CLASSES):
+        (root / f"n{c:08d}").mkdir()
+        for i in range(3):
+            pixels = rng.integers(0, 256, size=(40 + 3 * i, 37, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"n{c:08d}" / f"img{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    state = slowfast_vit_state(classes=CLASSES, seed=3)
+    return _slowfast_file(tmp_path_factory.mktemp("w") / "REV_VIT.pyth", state), state
+
+
+def _direct(folder, state):
+    """top-1/top-5 by hand: the published evaluation transform at 32 px (crop_pct 1.0 below
+    224 px), the reference forward, argmax."""
+    tf = transforms.Compose([
+        transforms.Resize(32, interpolation=transforms.InterpolationMode.BICUBIC),
+        transforms.CenterCrop(32),
+        transforms.ToTensor(),
+        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    ])
+    top1 = top5 = n = 0
+    for c, d in enumerate(sorted(p for p in folder.iterdir())):
+        for f in sorted(d.iterdir()):
+            x = tf(Image.open(f).convert("RGB"))[None]
+            logits = reference_slowfast_vit(state, x, heads=2)[0]
+            top1 += int(logits.argmax() == c)
+            top5 += int(c in logits.topk(5).indices)
+            n += 1
+    return 100 * top1 / n, 100 * top5 / n, n
+
+
+def test_cli_top1_matches_a_direct_computation(folder, weights, tmp_path, capsys):
+    path, state = weights
+    out = tmp_path / "result.json"
+    rc = cli(["eval", "--model", "rev_vit_base_patch16_224", "--checkpoint", str(path),
+              "--data-dir", str(folder), "--workers", "0", "--batch-size", "5",
+              "--json", str(out), "--no-progress", *ARGS])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    top1, top5, n = _direct(folder, state)
+    assert result["images"] == n == 18 and result["classes"] == CLASSES
+    assert result["top1"] == pytest.approx(top1) and result["top5"] == pytest.approx(top5)
+    assert 0 < result["top5"] < 100  # the check can tell right from wrong
+    assert result["data_config"]["interpolation"] == "bicubic"
+
+
+@pytest.mark.parametrize("engine", pareprop.ENGINES)
+def test_every_engine_gives_the_same_accuracy(folder, weights, engine):
+    path, state = weights
+    model = pareprop.create_model("rev_vit_base_patch16_224", **{**VIT, "num_classes": CLASSES})
+    pareprop.load_pretrained(model, path)
+    result = evaluate(model, str(folder), engine=engine, workers=0, progress=False)
+    assert result["engine"] == engine
+    assert result["top1"] == pytest.approx(_direct(folder, state)[0])
+
+
+def test_bf16_and_a_pareprop_checkpoint(folder, weights, tmp_path, capsys):
+    from pareprop.checkpoint import save_checkpoint
+
+    path, _ = weights
+    model = pareprop.create_model("rev_vit_base_patch16_224", **{**VIT, "num_classes": CLASSES})
+    pareprop.load_pretrained(model, path)
+    save_checkpoint(tmp_path / "run", model, epoch=1, step=1)
+    rc = cli(["eval", "--checkpoint", str(tmp_path / "run" / "last"), "--data-dir", str(folder),
+              "--workers", "0", "--amp", "bf16", "--engine", "pareprop", "--no-progress"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["amp"] == "bf16" and result["engine"] == "pareprop" and result["images"] == 18
+
+
+def test_clear_errors(folder, weights, capsys):
+    path, _ = weights
+    base = ["eval", "--model", "rev_vit_base_patch16_224", "--data-dir", str(folder),
+            "--workers", "0", "--no-progress"]
+    # The file's 6-class head is dropped for a 1000-class model; the folder then does not fit.
+    assert cli([*base, "--checkpoint", str(path), *ARGS[:-1]]) == 2
+    assert "6 class folders but the model predicts 1000" in capsys.readouterr().err
+    assert cli([*base, "--checkpoint", str(folder / "absent.pth"), *ARGS]) == 2
+    assert "no weight file" in capsys.readouterr().err
+    assert cli(["eval", "--checkpoint", str(path), "--data-dir", str(folder)]) == 2
+    assert "--model NAME is needed" in capsys.readouterr().err

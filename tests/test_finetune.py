@@ -1,0 +1,112 @@
+"""Fine-tuning a converted timm ViT: create_model("converted_vit") with timm weights from a
+file, `pareprop train --convert-from`, the coupling schedule stepped by the trainer, its state
+in checkpoints, and exact resume."""
+
+import json
+import os
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+import pareprop
+from pareprop.checkpoint import load_checkpoint, load_model
+from pareprop.cli.train import main, resolve_config
+from pareprop.trainer import TIMING_KEYS, TrainConfig, Trainer
+
+SOURCE = "vit_tiny_patch16_224"
+TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, depth=2, num_heads=2)
+
+
+def _pretrained(tmp_path, num_classes=5):
+    torch.manual_seed(0)
+    source = timm.create_model(SOURCE, num_classes=num_classes, **TINY)
+    path = str(tmp_path / "timm.safetensors")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
+    return source.eval(), path
+
+
+def test_converted_model_from_a_timm_weights_file(tmp_path):
+    source, path = _pretrained(tmp_path)
+    model = pareprop.create_model("converted_vit", source=SOURCE, pretrained_file=path,
+                                  num_classes=5, **TINY).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    # another class count: the pretrained body, a fresh head (timm's loader)
+    other = pareprop.create_model("converted_vit", source=SOURCE, pretrained_file=path,
+                                  num_classes=3, **TINY).eval()
+    assert other(x).shape == (2, 3)
+    with torch.no_grad():
+        assert torch.equal(other.forward_features(x), source.forward_features(x))
+
+
+def _cfg(tmp_path, path, **kw):
+    base = dict(convert_from=SOURCE, pretrained_file=path, model_kwargs=dict(TINY),
+                coupling_schedule="cosine", coupling_steps=3, epochs=2, batch_size=128,
+                lr=1e-3, warmup_epochs=0, out=str(tmp_path), progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _epochs(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in records if r["type"] == "epoch"]
+
+
+def test_trainer_steps_the_schedule_and_checkpoints_the_coupling(tmp_path):
+    _, path = _pretrained(tmp_path)
+    trainer = Trainer(_cfg(tmp_path / "run", path, epochs=1, max_steps=2))
+    assert pareprop.coupling_of(trainer.model) == (1.0, 0.0)
+    trainer.fit()
+    alpha, beta = pareprop.coupling_of(trainer.model)
+    assert 0.0 < beta < 1.0 and alpha == pytest.approx(1 - beta)  # 2 of 3 cosine steps
+    loaded = load_model(tmp_path / "run" / "last")
+    assert pareprop.coupling_of(loaded) == pytest.approx((alpha, beta))
+    assert load_checkpoint(tmp_path / "run" / "last").train_state["coupling"]["step_count"] == 2
+    # --eval-only evaluates at the coupling the model was trained at, not the schedule's start
+    evaluator = Trainer(_cfg(tmp_path / "eval", path, resume=str(tmp_path / "run" / "last"),
+                             eval_only=True))
+    assert pareprop.coupling_of(evaluator.model) == pytest.approx((alpha, beta))
+
+
+def test_resume_through_the_schedule_is_exact(tmp_path):
+    _, path = _pretrained(tmp_path)
+    Trainer(_cfg(tmp_path / "full", path)).fit()
+    part = tmp_path / "part"
+    Trainer(_cfg(part, path, stop_after_epochs=1)).fit()
+    Trainer(_cfg(part, path, resume=str(part / "last"))).fit()
+    assert _epochs(part) == _epochs(tmp_path / "full")
+    a, b = load_model(tmp_path / "full" / "last"), load_model(part / "last")
+    assert pareprop.coupling_of(a) == pareprop.coupling_of(b) == (0.0, 1.0)
+
+
+def test_cli_flags(tmp_path, capsys):
+    cfg = resolve_config(["--convert-from", SOURCE, "--coupling-schedule", "linear",
+                          "--coupling-steps", "7", "--model-arg", "depth=2"])
+    assert cfg.model == "converted_vit" and cfg.model_kwargs == {"depth": 2, "source": SOURCE}
+    assert (cfg.coupling_schedule, cfg.coupling_steps) == ("linear", 7)
+    assert main(["--convert-from", "no_such_vit", "--out", str(tmp_path)]) == 2
+    assert "not a timm model name" in capsys.readouterr().err
+    # Without --convert-from the file starts the registered model (published weights, issue 23).
+    assert main(["--pretrained-file", "x.safetensors", "--out", str(tmp_path)]) == 2
+    assert "no weight file at 'x.safetensors'" in capsys.readouterr().err
+
+
+def test_memory_budget_with_convert_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="precision guard chooses"):
+        TrainConfig(convert_from=SOURCE, memory_budget=0.5, out=str(tmp_path))
+
+
+def test_a_converted_model_can_be_planned():
+    # plan_memory builds by name on fake tensors: the guard cannot measure there (None).
+    plans = {}
+    for coupling in ((1.0, 0.0), (0.0, 1.0)):
+        plans[coupling] = pareprop.plan_memory(
+            "converted_vit", 2, "reversible", device="cpu", source=SOURCE, depth=2,
+            img_size=32, num_classes=10, tolerance=None, coupling=coupling)
+    # every block stored at (1, 0), none at (0, 1)
+    assert plans[(0.0, 1.0)].peak < plans[(1.0, 0.0)].peak
