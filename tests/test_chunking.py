@@ -199,3 +199,15 @@ def test_bad_chunking_is_refused_clearly():
         pareprop.set_chunking(model, max_bytes="12 parsecs")
     assert model.stack.chunking is None
     assert "chunks=3" in repr(pareprop.set_chunking(model, chunks=3).stack)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_skip_scale_with_chunks(count):
+    # NOTE [ Skip scale of the coupling ]: the chunked paths divide and multiply by beta in place
+    model = _model("vit")
+    for block in model.stack.blocks:
+        block.set_skip_scale(0.5)
+    pareprop.set_chunking(model, chunks=count)
+    report = engine_errors(model, model.example_inputs(4, dtype=torch.float64), engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"chunks={count}: {engine} {key} relative error {err:.3e}"
