@@ -90,9 +90,9 @@ class ReversibleBlock(nn.Module):
         return None
 
     def f_chunk(self, x: Tensor, chunk: Chunk, **kwargs: Any) -> Tensor:
-        """One chunk of F: for a tokens split ``x`` is the chunk's slice of the input and the
-        result is the same slice of F's output; for a heads split ``x`` is the whole input and
-        the chunks' results sum to F's output."""
+        """One chunk of F: ``x`` is the chunk's slice of F's input along the split's axis, and
+        the result must be the same slice of F's output; random layers take their slice of
+        the whole draw (NOTE [ Exact randomness in chunks ] in pareprop/chunking.py)."""
         raise NotImplementedError(f"{type(self).__name__} declares f_split but no f_chunk")
 
     def g_chunk(self, x: Tensor, chunk: Chunk, **kwargs: Any) -> Tensor:
@@ -698,12 +698,13 @@ def _grads(
 # With chunking on (set_chunking; NOTE [ Chunked branches ] in pareprop/chunking.py) a
 # recomputed block's backward runs branch by branch and, inside a branch, chunk by chunk:
 #   G: per chunk, restore G's generator state, rebuild the chunk's graph from a leaf (the
-#      chunk's slice of Y1 for a tokens split, all of Y1 for a heads split), subtract its
-#      output where X2 = Y2 - G(Y1) is being rebuilt, backpropagate the matching part of dY2,
-#      add the input gradient into dY1 and the parameter gradients into their sums; the
-#      chunk's graph is freed before the next chunk is built.
+#      chunk's slice of Y1: tokens for G, samples for F), subtract its output from its slice
+#      of Y2, where X2 = (Y2 - G(Y1)) / beta is being rebuilt, backpropagate the matching part
+#      of dY2, add the input gradient into dY1 and the parameter gradients into their sums;
+#      the chunk's graph is freed before the next chunk is built.
 #   F: the same over X2 (complete by now) with the total dY1 flowing in, subtracting where
-#      X1 = Y1 - F(X2) is rebuilt, adding the input gradients into dX2 = dY2 + dF.
+#      X1 = (Y1 - F(X2)) / beta is rebuilt, adding the input gradients into dX2 = beta dY2 +
+#      dF (beta: NOTE [ Skip scale of the coupling ], 1 for most blocks).
 # So one chunk's graph is alive at a time instead of the block's two whole graphs.
 #
 # What is kept when, under "reversible". A block's backward holds its output streams Y1, Y2,
