@@ -224,6 +224,22 @@ def test_stored_blocks_under_compile_match_eager(pair):
     assert not bad, f"{family} stored: {bad}"
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_chunked_branches_under_compile_match_eager(pair, count):
+    # One chunk runs the compiled F and G; several run f_chunk / g_chunk eagerly (NOTE
+    # [ Chunked branches and torch.compile ] in docs/compile.md).
+    family, eager, compiled, inputs = pair
+    pareprop.set_chunking(compiled, chunks=count)
+    try:
+        got = {engine: _step(compiled, inputs, engine) for engine in ENGINES[1:]}
+    finally:
+        pareprop.set_chunking(compiled)
+    ref = _step(eager, inputs, "autograd")
+    for engine, step in got.items():
+        bad = {k: v for k, v in _errors(step, ref).items() if not v < TOL}
+        assert not bad, f"{family} {engine} chunks={count}: {bad}"
+
+
 def test_bf16_autocast_on_cpu_under_compile():
     torch.manual_seed(0)
     eager, inputs = _vit()

@@ -65,6 +65,9 @@ def _worker(rank, world, init_file, out):
             half = len(ys) // 2
             micro = [(xs[:half], ys[:half]), (xs[half:], ys[half:])]
             results[(engine, 2)] = _step(model, wrap_ddp(model), micro)
+        for engine in ENGINES[1:]:  # chunked branches (pareprop.set_chunking)
+            model = pareprop.set_chunking(_model(engine).train(), chunks=2)
+            results[(engine, "chunked")] = _step(model, wrap_ddp(model), [(xs, ys)])
         model = _model("pareprop").train()
         results[("pareprop", "static")] = _step(
             model, wrap_ddp(model, static_graph=True), [(xs, ys)]
@@ -119,6 +122,13 @@ def test_compiled_blocks_under_ddp_equal_one_process(ddp_results):
     ref = _reference()
     for rank in range(2):
         _assert_same(ddp_results[rank][("reversible", "compiled")], ref, tol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ENGINES[1:])
+def test_chunked_branches_under_ddp_equal_one_process(ddp_results, engine):
+    ref = _reference()
+    for rank in range(2):
+        _assert_same(ddp_results[rank][(engine, "chunked")], ref)
 
 
 def test_static_graph_is_valid_with_pareprop(ddp_results):

@@ -105,6 +105,8 @@ def _cases():
         yield family, "reversible", "accum"
         yield family, "pareprop", "stored"
         yield family, "pareprop", "late_reduce"
+        yield family, "reversible", "chunked"
+        yield family, "pareprop", "chunked"
         if family in ("mvit", "swin"):  # non-reversible blocks under activation checkpointing
             yield family, "pareprop", "grad_ckpt"
 
@@ -125,6 +127,8 @@ def _worker(rank, world, init_file, out):
                         stack.store_blocks([len(stack.blocks) // 2])
             if variant == "grad_ckpt":
                 model.set_grad_checkpointing()
+            if variant == "chunked":
+                pareprop.set_chunking(model, chunks=2)
             full_bytes = _local_bytes(model)
             fsdp.shard(model)
             micro = _micro(xs, ys) if variant == "accum" else [(xs, ys)]

@@ -21,7 +21,7 @@ FAMILIES = {
 }
 
 
-def _real(name, engine, batch, amp=None, **overrides):
+def _real(name, engine, batch, amp=None, chunk_bytes=None, **overrides):
     """memory_report of a really built model with the inputs plan_memory makes."""
     request = ModelRequest(model=name, engine=engine, num_classes=10)
     request.seq_len = overrides.pop("seq_len", None)
@@ -30,6 +30,7 @@ def _real(name, engine, batch, amp=None, **overrides):
     request.overrides = overrides
     torch.manual_seed(0)
     model = build_model(request)
+    pareprop.set_chunking(model, max_bytes=chunk_bytes)
     inputs = example_inputs(model, request, batch)
     if len(inputs) == 2:  # text: planned without padding (NOTE in memory/plan.py)
         inputs = (inputs[0], torch.ones_like(inputs[1]))
@@ -46,6 +47,40 @@ def test_plan_agrees_with_the_real_step(name, engine):
     assert plan.peak == pytest.approx(real.peak, rel=0.02)
     for field in ("parameters", "gradients", "optimizer_state", "activations", "inputs"):
         assert getattr(plan, field) == pytest.approx(getattr(real, field), rel=0.02), field
+
+
+@pytest.mark.parametrize("engine", ENGINES[1:])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
+    overrides = dict(FAMILIES[name])
+    size = 16 * 2**10  # small enough to chunk every branch of these small models
+    real = _real(name, engine, 4, chunk_bytes=size, **dict(overrides))
+    plan = plan_memory(name, 4, engine, device="cpu", num_classes=10, chunk_bytes=size,
+                       **overrides)
+    whole = plan_memory(name, 4, engine, device="cpu", num_classes=10, **overrides)
+    assert plan.chunk_bytes == size and whole.chunk_bytes is None
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+    # (at batch 4 these models' steps are mostly parameters, gradients and AdamW's state, and
+    # chunks save little or nothing: where chunks pay is the auto test below and BENCHMARKS.md)
+    # the floor: fixed parts and eight maps of the largest stack's stream, the same either way
+    assert plan.floor == whole.floor == real.floor
+    assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
+
+
+def test_auto_chunking_plans_the_lowest_peak_and_largest_batch_passes_it_on():
+    kw = dict(device="cpu", num_classes=10)
+    auto = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", chunk_bytes="auto", **kw)
+    whole = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", **kw)
+    assert auto.chunk_bytes is not None and auto.peak < whole.peak
+    for size in (2**12, 2**16, 2**20):
+        other = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", chunk_bytes=size, **kw)
+        assert auto.peak <= other.peak * 1.01
+    best, reports = largest_batch("rev_vit_tiny_patch4_32", "reversible", whole.peak,
+                                  chunk_bytes="auto", **kw)
+    assert best > 8 and any(r.chunk_bytes is not None for r in reports)
+    assert largest_batch("rev_vit_tiny_patch4_32", "reversible", whole.peak, **kw)[0] == 8
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", chunk_bytes="auto", **kw)
 
 
 def test_plan_agrees_under_bf16_autocast():

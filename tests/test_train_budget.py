@@ -77,3 +77,19 @@ def test_grad_checkpointing_flag_reaches_the_model(tmp_path):
     assert all(s.grad_checkpointing for s in trainer.model.stages)
     summary = trainer.fit()
     assert summary
+
+
+def test_chunk_bytes_flag_reaches_every_stack_and_trains(tmp_path):
+    from pareprop.cli.train import resolve_config
+
+    assert resolve_config(["--chunk-bytes", "256MiB"]).chunk_bytes == "256MiB"
+    assert resolve_config([]).chunk_bytes is None
+    with pytest.raises(ValueError, match="pareprop plan --chunk-bytes auto"):
+        resolve_config(["--chunk-bytes", "auto"])
+    with pytest.raises(ValueError, match="256MiB"):
+        resolve_config(["--chunk-bytes", "lots"])
+    cfg = _cfg(tmp_path, memory_budget=None, chunk_bytes="16KiB", max_steps=2, epochs=1)
+    trainer = Trainer(cfg)
+    stacks = [m for m in trainer.model.modules() if isinstance(m, pareprop.ReversibleStack)]
+    assert stacks and all(s.chunking.max_bytes == 16 * 2**10 for s in stacks)
+    assert trainer.fit()

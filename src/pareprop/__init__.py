@@ -10,6 +10,7 @@ from pareprop.engine import (
     ReversibleBlock,
     ReversibleStack,
     debug_reconstruction,
+    set_chunking,
 )
 from pareprop.memory import (
     MemoryReport,
@@ -30,6 +31,7 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "set_chunking",
     "compile_blocks",
     "uncompile_blocks",
     "compiled_blocks",

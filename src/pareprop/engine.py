@@ -23,16 +23,31 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.nn as nn
+
+from pareprop.chunking import Chunk, Chunking, Split, chunks, parse_chunking
 
 __all__ = [
     "ENGINES",
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "set_chunking",
     "debug_reconstruction",
 ]
 
@@ -52,6 +67,12 @@ class ReversibleBlock(nn.Module):
     * never modify the input in place;
     * no modules with running statistics (BatchNorm): recomputation would update them twice;
     * randomness (dropout, drop-path) is fine: the engines replay it exactly.
+
+    A block may also declare how F and G split into chunks, so that the reversible engines can
+    rebuild and differentiate them a piece at a time (:func:`set_chunking`; NOTE [ Chunked
+    branches ] in pareprop/chunking.py): ``f_split`` / ``g_split`` return a
+    :class:`~pareprop.chunking.Split` (None: the branch does not split), and ``f_chunk`` /
+    ``g_chunk`` compute one :class:`~pareprop.chunking.Chunk` of it.
     """
 
     def f(self, x: Tensor, **kwargs: Any) -> Tensor:
@@ -59,6 +80,24 @@ class ReversibleBlock(nn.Module):
 
     def g(self, x: Tensor, **kwargs: Any) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define g(x, **kwargs)")
+
+    def f_split(self, x: Tensor, **kwargs: Any) -> Optional[Split]:
+        """How F splits for an input ``x``; None (the default): it does not."""
+        return None
+
+    def g_split(self, x: Tensor, **kwargs: Any) -> Optional[Split]:
+        """How G splits for an input ``x``; None (the default): it does not."""
+        return None
+
+    def f_chunk(self, x: Tensor, chunk: Chunk, **kwargs: Any) -> Tensor:
+        """One chunk of F: ``x`` is the chunk's slice of F's input along the split's axis, and
+        the result must be the same slice of F's output; random layers take their slice of
+        the whole draw (NOTE [ Exact randomness in chunks ] in pareprop/chunking.py)."""
+        raise NotImplementedError(f"{type(self).__name__} declares f_split but no f_chunk")
+
+    def g_chunk(self, x: Tensor, chunk: Chunk, **kwargs: Any) -> Tensor:
+        """One chunk of G, as :meth:`f_chunk` for F."""
+        raise NotImplementedError(f"{type(self).__name__} declares g_split but no g_chunk")
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         """The coupling under plain autograd; stacks call ``f`` and ``g`` directly."""
@@ -279,12 +318,21 @@ class _BackendState:
 # ---------------------------------------------------------------------------------------------
 
 
-def _call_checked(block: ReversibleBlock, name: str, x: Tensor, kwargs: Dict[str, Any]) -> Tensor:
+def _call_checked(
+    block: ReversibleBlock,
+    name: str,
+    x: Tensor,
+    kwargs: Dict[str, Any],
+    chunk: Optional[Chunk] = None,
+) -> Tensor:
+    """``block.f(x)`` or ``block.g(x)`` (``f_chunk`` / ``g_chunk`` with a chunk), checked."""
+    call = getattr(block, name) if chunk is None else functools.partial(
+        getattr(block, f"{name}_chunk"), chunk=chunk)
     # Traced (whole-model torch.compile) or inference-mode tensors: they have no _version.
     if torch.compiler.is_compiling() or x.is_inference():
-        return getattr(block, name)(x, **kwargs)
+        return call(x, **kwargs)
     version = x._version
-    out = getattr(block, name)(x, **kwargs)
+    out = call(x, **kwargs)
     if x._version != version:
         raise RuntimeError(
             f"{type(block).__name__}.{name} modified its input in place; a reversible block "
@@ -395,6 +443,14 @@ class _Plan:
     # gradients to FSDP; None when the stack is not sharded (NOTE [ FSDP2 and reversible blocks ]
     # in pareprop/fsdp.py). A sharded stack's block_params are filled in forward, per block.
     sharding: Optional[Any] = None
+    # Chunked backward of the recomputed blocks (NOTE [ Chunked backward ]); None: whole branches.
+    chunking: Optional[Chunking] = None
+    # (block, branch, input shape, dtype, autocast) -> (fixed, per-unit) saved bytes of a chunk.
+    chunk_costs: Dict[Any, Tuple[float, float]] = field(default_factory=dict)
+    # A chunked stack's outputs, held here (not saved in the Function) until backward takes
+    # them, and their versions at forward.
+    outputs: Optional[List[Tensor]] = None
+    output_versions: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -483,9 +539,9 @@ class _Rebuilt:
     """Block l's local graphs, G(Y1) and F(X2), and its reconstructed inputs."""
 
     y1: Tensor  # the block's first output, input of G: a leaf (or a leaf's view, if stored)
-    g_out: Tensor
+    g_out: Optional[Tensor]  # None when chunked: grads() rebuilds G chunk by chunk
     x2: Tensor  # the reconstructed second input, input of F: likewise
-    f_out: Tensor
+    f_out: Optional[Tensor]  # likewise
     x1: Optional[Tensor]  # reconstructed first input (no graph); None where nobody needs it
 
 
@@ -516,6 +572,8 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
         plan.sharding.gather(index)
     if plan.stored[index]:
         return _take_stored(plan, index)
+    if plan.chunking is not None:
+        return _recover_chunked(plan, index, y1, y2)
     block, record = plan.blocks[index], plan.records[index]
     plan.keywords.check(index, block)
     with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
@@ -616,6 +674,8 @@ def _grads(
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
 ) -> Tuple[Tensor, Tensor]:
+    if rebuilt.g_out is None:
+        return _grads_chunked(plan, index, rebuilt, dy1, dy2, param_grads)
     owned = plan.block_params[index]
     params = [p for _, p in owned]
     if plan.sharding is not None:  # a sharded block's gradients go to FSDP, not the Function
@@ -627,16 +687,291 @@ def _grads(
     # Y1 = beta X1 + F(X2): the total dY1 flows into F, whose input gradient joins beta dY2.
     f_in, *f_params = _vjp(rebuilt.f_out, [rebuilt.x2, *params], dy1_total)
     dx2 = _skip(beta, dy2) if f_in is None else _skip(beta, dy2) + f_in
-    for (slot, _), gg, fg in zip(owned, g_params, f_params):
-        for grad in (gg, fg):
-            if grad is None:
-                continue
-            previous = param_grads[slot]
-            # a parameter shared by F and G, or by several blocks, sums its gradients
-            param_grads[slot] = grad if previous is None else previous + grad
+    _add_param_grads(owned, g_params, param_grads)
+    _add_param_grads(owned, f_params, param_grads)
     if plan.sharding is not None:
         plan.sharding.reduce(index, params, param_grads)
     return _skip(beta, dy1_total), dx2
+
+
+# NOTE [ Chunked backward ]
+# With chunking on (set_chunking; NOTE [ Chunked branches ] in pareprop/chunking.py) a
+# recomputed block's backward runs branch by branch and, inside a branch, chunk by chunk:
+#   G: per chunk, restore G's generator state, rebuild the chunk's graph from a leaf (the
+#      chunk's slice of Y1: tokens for G, samples for F), subtract its output from its slice
+#      of Y2, where X2 = (Y2 - G(Y1)) / beta is being rebuilt, backpropagate the matching part
+#      of dY2, add the input gradient into dY1 and the parameter gradients into their sums;
+#      the chunk's graph is freed before the next chunk is built.
+#   F: the same over X2 (complete by now) with the total dY1 flowing in, subtracting where
+#      X1 = (Y1 - F(X2)) / beta is rebuilt, adding the input gradients into dX2 = beta dY2 +
+#      dF (beta: NOTE [ Skip scale of the coupling ], 1 for most blocks).
+# So one chunk's graph is alive at a time instead of the block's two whole graphs.
+#
+# What is kept when, under "reversible". A block's backward holds its output streams Y1, Y2,
+# their gradients dY1, dY2, and one chunk's graph with its gradients. The rebuilt streams and
+# the new gradients take the storage of the old ones, in place:
+#   * X2 goes into Y2: G reads Y1 only, and nothing reads Y2 after G's chunks are subtracted;
+#   * X1 goes into Y1 once G is done: F reads X2 only;
+#   * dY1 + dG goes into dY1, and dY2 + dF into dY2: G's backward has read dY2 by then.
+# The floor of a block's backward is therefore one pair of streams and one pair of
+# gradients, plus what autograd holds. Not for the top block: its streams are the stack's
+# outputs, which the caller may still hold, and its gradients come from autograd, which may
+# hand out views of one tensor (after torch.cat) or a tensor a hook kept. So the top block
+# writes into copies, and every block below works in place in what the block above returned.
+# The copies cost nothing lasting: a chunked stack does not save its outputs in the autograd
+# Function but holds detached aliases itself (their versions checked in backward), and the
+# top block drops them as soon as they are copied, so they are freed unless the caller holds
+# them. The price is that backward can run once: with retain_graph=True a second backward
+# raises. What stays is the top block's incoming gradients, which autograd holds until
+# backward returns: a block's backward holds two streams, their two gradients, those two, and
+# one chunk's graph with its gradients.
+#
+# Under "pareprop", recover(l-1) runs before grads(l) (NOTE [ PaReprop on two CUDA streams ]),
+# and grads(l) reads block l's Y1 and X2. So recover rebuilds X1 and X2 chunk by chunk without
+# a graph, into new tensors, and grads rebuilds each chunk's graph again to backpropagate
+# through it: one more forward of the block than without chunking, in exchange for not
+# holding two blocks' whole graphs. Stored blocks keep their whole graphs from forward.
+
+
+def _branch_chunking(
+    plan: _Plan, index: int, name: str, x: Tensor, rng: _RngState
+) -> Tuple[Optional[Split], int]:
+    """Block ``index``'s split of branch ``name`` for input ``x`` and its chunk count."""
+    block = plan.blocks[index]
+    split = getattr(block, f"{name}_split")(x, **plan.kwargs)
+    if split is None:
+        return None, 1
+    if not isinstance(split, Split):
+        raise TypeError(
+            f"{type(block).__name__}.{name}_split must return a pareprop.chunking.Split or None, "
+            f"got {type(split).__name__}"
+        )
+    chunking = plan.chunking
+    if chunking.count is not None:
+        return split, chunking.count_for(split.size)
+    return split, chunking.count_for(split.size, *_chunk_cost(plan, index, name, x, split, rng))
+
+
+def _chunk_cost(
+    plan: _Plan, index: int, name: str, x: Tensor, split: Split, rng: _RngState
+) -> Tuple[float, float]:
+    """(fixed, per unit) bytes saved by the graph of one chunk of a branch, measured once per
+    block, branch, input shape and autocast state on chunks of one and two units."""
+    key = (index, name, tuple(x.shape), x.dtype, plan.autocast)
+    if key in plan.chunk_costs:
+        return plan.chunk_costs[key]
+    block = plan.blocks[index]
+    skip = {p.untyped_storage()._cdata for p in block.parameters()}
+    skip.add(x.untyped_storage()._cdata)
+    measured = []
+    for units in (1, 2) if split.size >= 2 else (1,):
+        chunk = Chunk(0, 2, 0, units, split.size)
+        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+
+        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> Tensor:
+            ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
+            if ptr not in skip:
+                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+
+        rng.restore(plan.device)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            leaf = _chunk_input(x, split, chunk).detach().requires_grad_(True)
+            out = _call_checked(block, name, leaf, plan.kwargs, chunk)
+        measured.append(sum(seen.values()) + out.numel() * out.element_size())
+        del out, leaf
+    per_unit = measured[-1] - measured[0] if len(measured) == 2 else measured[0]
+    cost = (float(max(measured[0] - per_unit, 0)), float(max(per_unit, 1)))
+    plan.chunk_costs[key] = cost
+    return cost
+
+
+def _chunk_input(x: Tensor, split: Optional[Split], chunk: Optional[Chunk]) -> Tensor:
+    if chunk is None or split is None:
+        return x
+    return chunk.take(x, split.dim)
+
+
+def _run_chunks(
+    plan: _Plan,
+    index: int,
+    name: str,
+    x: Tensor,
+    split: Optional[Split],
+    count: int,
+    rng: _RngState,
+    subtract_from: Optional[Tensor] = None,
+    grad_out: Optional[Tensor] = None,
+    grad_into: Optional[Tensor] = None,
+    param_grads: Optional[List[Optional[Tensor]]] = None,
+    sums: Optional[Set[int]] = None,
+) -> None:
+    """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
+    subtracted from ``subtract_from``; with ``grad_out`` each chunk is backpropagated at once,
+    its input gradient added into ``grad_into`` and its parameter gradients into
+    ``param_grads``, and its graph freed before the next chunk."""
+    block = plan.blocks[index]
+    owned = plan.block_params[index]
+    params = [p for _, p in owned]
+    pieces = [None] if split is None or count == 1 else chunks(split.size, count)
+    accumulate = grad_out is not None and len(pieces) > 1
+    with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:
+        for chunk in pieces:
+            rng.restore(plan.device)
+            with torch.set_grad_enabled(grad_out is not None):
+                leaf = _chunk_input(x, split, chunk).detach()
+                if grad_out is not None:
+                    leaf.requires_grad_(True)
+                out = _call_checked(block, name, leaf, plan.kwargs, chunk)
+            if subtract_from is not None:
+                with torch.no_grad():
+                    _chunk_input(subtract_from, split, chunk).sub_(out)
+            if grad_out is None:
+                continue
+            part = _chunk_input(grad_out, split, chunk)
+            if accumulate:  # parameter gradients accumulate in the leaves' .grad
+                if out.requires_grad:
+                    torch.autograd.backward(out, part.to(out.dtype), inputs=[leaf, *leaves])
+                grad_in, grads = leaf.grad, ()
+            else:
+                grad_in, *grads = _vjp(out, [leaf, *params], part)
+            del out, leaf  # the chunk's graph is gone; its gradients remain
+            if grad_in is not None:
+                _chunk_input(grad_into, split, chunk).add_(grad_in)
+            _add_param_grads(owned, grads, param_grads, sums)
+        if accumulate:
+            _add_param_grads(owned, [t.grad for t in leaves], param_grads, sums)
+
+
+# NOTE [ Parameter gradients of chunks ]
+# torch.autograd.grad hands back every parameter's gradient of a chunk at once, all alive
+# together beside the running sums: one block's parameter gradients more than whole branches
+# need, which is what sets the peak of a small-batch step. So over several chunks the block's
+# parameters are swapped (as NOTE [ Recomputing with the forward's parameters ] swaps them)
+# for leaves that alias them, and backward accumulates into the leaves' .grad: each
+# parameter's chunk gradient is added in place and freed as soon as it is computed.
+
+
+@contextlib.contextmanager
+def _accumulating(plan: _Plan, index: int, params: List[Tensor]) -> Iterator[List[Tensor]]:
+    leaves = {id(p): p.detach().requires_grad_(True) for p in params}
+    swapped = []
+    try:
+        for loc in plan.block_locations[index]:
+            current = loc.module._parameters[loc.name]
+            if id(current) in leaves:
+                swapped.append((loc.module, loc.name, current))
+                loc.module._parameters[loc.name] = leaves[id(current)]
+        yield [leaves[id(p)] for p in params]
+    finally:
+        for module, name, current in reversed(swapped):
+            module._parameters[name] = current
+
+
+@_profiled("pareprop::chunked")
+def _block_chunked(
+    plan: _Plan,
+    index: int,
+    streams: List[Optional[Tensor]],
+    dy1: Tensor,
+    dy2: Tensor,
+    param_grads: List[Optional[Tensor]],
+    in_place: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Recover and backpropagate block ``index`` chunk by chunk ("reversible"). ``streams``
+    holds Y1, Y2 and is left holding X1, X2; returns dX1, dX2. With ``in_place`` everything is
+    rebuilt in the storage of Y1, Y2, dY1, dY2; without, into copies, and Y1, Y2 are released
+    as soon as they are copied."""
+    if plan.sharding is not None:
+        plan.sharding.gather(index)
+        param_grads = [None] * len(plan.block_params[index])
+    record, sums = plan.records[index], set()
+    plan.keywords.check(index, plan.blocks[index])
+    beta = _plan_beta(plan, index)  # NOTE [ Skip scale of the coupling ]
+    x2 = streams[1] if in_place else streams[1].clone()
+    streams[1] = None
+    dy1_total = dy1 if in_place else dy1.clone()
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
+        split, count = _branch_chunking(plan, index, "g", streams[0], record.g_rng)
+        # Y2 = beta X2 + G(Y1): X2 is rebuilt into Y2, dY2 flows into G, whose input gradient
+        # joins dY1.
+        _run_chunks(plan, index, "g", streams[0], split, count, record.g_rng, subtract_from=x2,
+                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        _unskip_(beta, x2)
+        x1 = streams[0] if in_place else streams[0].clone()
+        streams[0] = None
+        dx2 = _skip_(beta, dy2 if in_place else dy2.clone())
+        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
+        # Y1 = beta X1 + F(X2): X1 is rebuilt into Y1, the total dY1 flows into F, whose input
+        # gradient joins beta dY2.
+        _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1,
+                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
+        _unskip_(beta, x1)
+        _skip_(beta, dy1_total)  # dX1 = beta dY1', once F has read dY1'
+    if record.inputs is not None:
+        _check_reconstruction(plan, index, (x1, x2), record.inputs)
+    if plan.sharding is not None:
+        plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
+    streams[:] = [x1, x2]
+    return dy1_total, dx2
+
+
+def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
+    """PaReprop's recover of a chunked block: X2 and X1 without a graph, chunk by chunk."""
+    record = plan.records[index]
+    plan.keywords.check(index, plan.blocks[index])
+    beta = _plan_beta(plan, index)
+    with torch.no_grad(), plan.autocast.replay(), plan.backends.replay(), \
+            record.modes.replay(), _forward_parameters(plan, index):
+        x2 = y2.clone()
+        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
+        _run_chunks(plan, index, "g", y1, split, count, record.g_rng, subtract_from=x2)
+        _unskip_(beta, x2)
+        x1 = y1.clone()
+        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
+        _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1)
+        _unskip_(beta, x1)
+    if record.inputs is not None:
+        _check_reconstruction(plan, index, (x1, x2), record.inputs)
+    return _Rebuilt(y1, None, x2, None, x1)
+
+
+def _grads_chunked(
+    plan: _Plan,
+    index: int,
+    rebuilt: _Rebuilt,
+    dy1: Tensor,
+    dy2: Tensor,
+    param_grads: List[Optional[Tensor]],
+) -> Tuple[Tensor, Tensor]:
+    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated."""
+    if plan.sharding is not None:
+        param_grads = [None] * len(plan.block_params[index])
+    record, sums = plan.records[index], set()
+    beta = _plan_beta(plan, index)
+    dy1_total, dx2 = dy1.clone(), _skip_(beta, dy2.clone())
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
+        split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
+        _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
+                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
+        _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
+                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
+    if plan.sharding is not None:
+        plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
+    return _skip(beta, dy1_total), dx2
+
+
+def _skip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    """``_skip`` in place, on a tensor of ours."""
+    return x if beta is None else x.mul_(beta)
+
+
+def _unskip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
+    """``_unskip`` in place, on a tensor of ours."""
+    return x if beta is None else x.div_(beta)
 
 
 # NOTE [ PaReprop on two CUDA streams ]
@@ -734,11 +1069,45 @@ class _Lanes:
                 self.main.wait_stream(stream)
 
 
-def _backward_in_order(plan, y1, y2, dy1, dy2, param_grads):
+def _add_param_grads(
+    owned: List[Tuple[int, Tensor]],
+    grads: Sequence[Optional[Tensor]],
+    param_grads: List[Optional[Tensor]],
+    sums: Optional[Set[int]] = None,
+) -> None:
+    """Add ``grads`` into ``param_grads``: a parameter shared by F and G, by several chunks or
+    by several blocks sums its gradients. ``sums`` holds the ids of sums made here, which are
+    ours to add into in place (a gradient autograd returned may alias another tensor, such as
+    the gradient flowing in); chunks add many times, so this keeps one sum per parameter."""
+    for (slot, _), grad in zip(owned, grads):
+        if grad is None:
+            continue
+        previous = param_grads[slot]
+        if previous is None:
+            param_grads[slot] = grad
+        elif sums is not None and id(previous) in sums:
+            previous.add_(grad)
+        else:
+            param_grads[slot] = previous + grad
+            if sums is not None:
+                sums.add(id(param_grads[slot]))
+
+
+def _backward_in_order(plan, streams, dy1, dy2, param_grads):
+    # ``streams`` is the only holder of the current block's outputs, so that a chunked block
+    # can release them as soon as it has copied them (NOTE [ Chunked backward ]). The top
+    # block's gradients come from autograd: not ours to overwrite. What a chunked block
+    # returns is.
+    owned = False
     for index in reversed(range(len(plan.blocks))):
-        rebuilt = _recover(plan, index, y1, y2)
+        if plan.chunking is not None and not plan.stored[index]:
+            dy1, dy2 = _block_chunked(plan, index, streams, dy1, dy2, param_grads, owned)
+            owned = True
+            continue
+        owned = False
+        rebuilt = _recover(plan, index, *streams)
         dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
-        y1, y2 = rebuilt.x1, _detached(rebuilt.x2)
+        streams[:] = [rebuilt.x1, _detached(rebuilt.x2)]
         del rebuilt  # frees block index's graph before the next block builds its own
     return dy1, dy2
 
@@ -786,6 +1155,25 @@ def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
 
 
+def _take_outputs(plan: _Plan) -> List[Optional[Tensor]]:
+    """A chunked stack's outputs, handed to backward once (NOTE [ Chunked backward ])."""
+    if plan.outputs is None:
+        raise RuntimeError(
+            "backward through a chunked ReversibleStack a second time: its backward releases "
+            "the stack's outputs as it goes, so retain_graph=True cannot keep them; turn "
+            "chunking off (pareprop.set_chunking(model)) to backpropagate twice"
+        )
+    outputs, plan.outputs = plan.outputs, None
+    for t, version in zip(outputs, plan.output_versions):
+        if t._version != version:
+            raise RuntimeError(
+                "an output of a ReversibleStack was modified in place between forward and "
+                "backward; the reversible engines rebuild every block's inputs from it (use "
+                "an out-of-place operation on the output)"
+            )
+    return outputs
+
+
 class _ReversibleFunction(torch.autograd.Function):
     """Forward without a graph, keeping only the outputs; backward by reconstruction.
 
@@ -820,8 +1208,13 @@ class _ReversibleFunction(torch.autograd.Function):
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
         ctx.plan = plan
         # The top block's outputs are what the reversible engines rebuild from; a stored top
-        # block keeps what its backward needs in its own graph.
-        ctx.save_for_backward(*((x1, x2) if not stored[-1] else ()))
+        # block keeps what its backward needs in its own graph. A chunked stack holds them
+        # itself, to release them in backward (NOTE [ Chunked backward ]).
+        if plan.chunking is not None and not stored[-1]:
+            plan.outputs = [x1.detach(), x2.detach()]
+            plan.output_versions = (x1._version, x2._version)
+        else:
+            ctx.save_for_backward(*((x1, x2) if not stored[-1] else ()))
         return x1, x2
 
     @staticmethod
@@ -836,14 +1229,14 @@ class _ReversibleFunction(torch.autograd.Function):
         # second backward raises autograd's own "backward through the graph a second time".
         plan: _Plan = ctx.plan
         saved = ctx.saved_tensors
-        y1, y2 = saved if saved else (None, None)
+        streams = _take_outputs(plan) if plan.output_versions else list(saved or (None, None))
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
         entry = _RngState.capture(plan.device)
         try:
             if plan.engine == "pareprop":
-                dx1, dx2 = _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_pareprop(plan, *streams, dy1, dy2, param_grads)
             else:
-                dx1, dx2 = _backward_in_order(plan, y1, y2, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
             entry.restore(plan.device)
         return (None, dx1, dx2, *param_grads)
@@ -891,6 +1284,9 @@ class ReversibleStack(nn.Module):
         self._probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
         # Set by pareprop.fsdp.shard when every block is an FSDP2 unit.
         self._sharding: Optional[Any] = None
+        self.chunking: Optional[Chunking] = None
+        # Measured chunk costs for chunking by bytes (not state: they depend on the input).
+        self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
 
     def set_engine(self, name: str) -> "ReversibleStack":
         _check_engine(name)
@@ -922,6 +1318,19 @@ class ReversibleStack(nn.Module):
         self.stored_blocks = tuple(sorted(chosen))
         return self
 
+    def set_chunking(
+        self, chunks: Optional[int] = None, max_bytes: Union[int, str, None] = None
+    ) -> "ReversibleStack":
+        """Rebuild and differentiate the recomputed blocks' branches in chunks, under the
+        reversible engines: ``chunks`` per branch (at most the split's size), or the fewest
+        chunks whose graph saves at most ``max_bytes`` (bytes or "64MiB"; measured once per
+        block and input shape). Branches that declare no split run whole; with neither
+        argument every branch runs whole again. Gradients are unchanged; see NOTE [ Chunked
+        backward ]."""
+        # The measured chunk costs stay: they depend on the blocks and the input, not on this.
+        self.chunking = parse_chunking(chunks, max_bytes)
+        return self
+
     def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
         """For the next training step only: keep the forward's block inputs and warn, naming
         the block, when a rebuilt input differs from them by more than ``tolerance`` (relative
@@ -931,7 +1340,10 @@ class ReversibleStack(nn.Module):
 
     def extra_repr(self) -> str:
         stored = f", stored_blocks={list(self.stored_blocks)}" if self.stored_blocks else ""
-        return f"engine={self.engine!r}{stored}"
+        chunking = "" if self.chunking is None else (
+            f", chunks={self.chunking.count}" if self.chunking.count is not None
+            else f", chunk_bytes={self.chunking.max_bytes}")
+        return f"engine={self.engine!r}{stored}{chunking}"
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
@@ -977,6 +1389,8 @@ class ReversibleStack(nn.Module):
             debug_tolerance=tolerance,
             probe=self._probe,
             sharding=self._sharding,
+            chunking=self.chunking,
+            chunk_costs=self._chunk_costs,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
         self.last_reconstruction_errors = plan.reconstruction_errors
@@ -1111,6 +1525,19 @@ def set_engine(module: nn.Module, name: str) -> nn.Module:
     for m in module.modules():
         if isinstance(m, ReversibleStack):
             m.set_engine(name)
+    return module
+
+
+def set_chunking(
+    module: nn.Module, max_bytes: Union[int, str, None] = None, chunks: Optional[int] = None
+) -> nn.Module:
+    """Chunk the branches of every :class:`ReversibleStack` inside ``module`` in backward
+    (:meth:`ReversibleStack.set_chunking`): the fewest chunks whose graph saves at most
+    ``max_bytes``, or ``chunks`` per branch; neither turns chunking off. Returns ``module``."""
+    parse_chunking(chunks, max_bytes)  # checked once, before any stack changes
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.set_chunking(chunks, max_bytes)
     return module
 
 

@@ -57,9 +57,10 @@ from pareprop import distributed as dist_lib
 from pareprop import rundir
 from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.checkpoint import atomic_write
+from pareprop.chunking import parse_chunking
 from pareprop.compile import compile_blocks
 from pareprop.data import build_datasets, epoch_sampler
-from pareprop.engine import ENGINES
+from pareprop.engine import ENGINES, set_chunking
 from pareprop.finetune import (
     apply_convert_options,
     create_finetune_optimizer,
@@ -101,6 +102,9 @@ class TrainConfig:
     # Run the blocks that are not reversible (MViTv2 transitions, Swin merging and fusion)
     # under activation checkpointing (model.set_grad_checkpointing()).
     grad_checkpointing: bool = False
+    # Rebuild and differentiate the reversible blocks' branches in chunks whose graphs save at
+    # most this many bytes ("256MiB"; pareprop.set_chunking); None: whole branches.
+    chunk_bytes: Optional[Union[str, int]] = None
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
@@ -158,6 +162,13 @@ class TrainConfig:
             )
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)  # refuse a bad budget before anything runs
+        if self.chunk_bytes is not None:
+            if str(self.chunk_bytes).strip().lower() == "auto":
+                raise ValueError(
+                    "--chunk-bytes auto is a planning choice: run pareprop plan --chunk-bytes auto "
+                    "and give train the chunk size it reports (e.g. --chunk-bytes 256MiB)"
+                )
+            parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if self.model_kwargs is None:
@@ -433,6 +444,7 @@ class Trainer:
             self.memory_plan = self._apply_memory_budget(model)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
+        set_chunking(model, max_bytes=cfg.chunk_bytes)
         if cfg.compile:
             compile_blocks(model)
         # Each process draws its own augmentation and dropout; process 0 matches a

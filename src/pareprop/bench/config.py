@@ -10,6 +10,7 @@ import torch
 
 from pareprop.bench.fields import ALL_ENGINES, AMP_MODES
 from pareprop.catalog import model_facts, model_source
+from pareprop.chunking import parse_chunking
 from pareprop.engine import ENGINES
 
 __all__ = ["BenchConfig", "default_config"]
@@ -53,6 +54,9 @@ class BenchConfig:
             (:func:`pareprop.compile_blocks`, regional ``torch.compile``); compilation happens
             in the warm-up steps, so at least one is required. Baselines without reversible
             blocks are refused (compile them with ``torch.compile`` yourself).
+        chunk_bytes: the reversible engines rebuild and differentiate each block's branches
+            in chunks whose graphs save at most this many bytes (``pareprop.set_chunking``;
+            ``None``: whole branches); planned peaks are planned so too.
         progress: show a tqdm progress bar over configurations.
         threads: ``torch.set_num_threads`` during each measurement; ``None`` keeps torch's.
             One thread gives steadier CPU timings on a shared machine, where OpenMP threads
@@ -84,6 +88,7 @@ class BenchConfig:
     seed: int = 0
     compile: bool = False
     grad_checkpointing: bool = False
+    chunk_bytes: int | str | None = None
     progress: bool = True
     threads: int | None = None
     time_budget_s: float | None = None
@@ -130,6 +135,8 @@ class BenchConfig:
             raise ValueError(
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
             )
+        if self.chunk_bytes is not None:
+            parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
         if self.grad_checkpointing:
             plain = [m for m in self.models if not model_facts(m).reversible]
             if plain:

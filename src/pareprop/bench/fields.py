@@ -42,6 +42,7 @@ RECORD_FIELDS = (
     "stored_blocks",
     "compiled",
     "grad_checkpointing",
+    "chunk_bytes",
     "grad_rel_err",
     "status",
 )

@@ -24,6 +24,7 @@ from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
 from pareprop.compile import compile_blocks
+from pareprop.engine import set_chunking
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
 __all__ = ["measure"]
@@ -52,6 +53,7 @@ class _Job:
     memory_budget: float | None = None  # a fraction: set_memory_budget on this batch first
     compile: bool = False  # pareprop.compile_blocks before the warm-up steps
     grad_checkpointing: bool = False  # model.set_grad_checkpointing() (reversible models)
+    chunk_bytes: int | str | None = None  # pareprop.set_chunking(max_bytes=...) (reversible)
 
     def request(self) -> ModelRequest:
         """The model this configuration measures, as the catalog builds it."""
@@ -159,6 +161,7 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
         img_size=job.img_size,
         compiled=job.compile,
         grad_checkpointing=job.grad_checkpointing,
+        chunk_bytes=job.chunk_bytes,
     )
     return record
 
@@ -177,6 +180,7 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
 
     torch.manual_seed(job.seed)
     model = build_model(request, facts).to(device).train()
+    set_chunking(model, max_bytes=job.chunk_bytes)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["depth"] = job.depth if job.depth is not None else model_depth(model)
     inputs = example_inputs(model, request, job.batch_size, device, facts)
@@ -306,7 +310,8 @@ def _planned_peak(job: _Job, device: torch.device) -> int | None:
             job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
             num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
             seq_len=job.seq_len, seed=job.seed, memory_budget=job.memory_budget,
-            grad_checkpointing=job.grad_checkpointing, **job.model_overrides,
+            grad_checkpointing=job.grad_checkpointing, chunk_bytes=job.chunk_bytes,
+            **job.model_overrides,
         )
     except Exception:  # noqa: BLE001 - see the docstring
         return None

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pareprop.bench import stop
 from pareprop.bench.config import BenchConfig
 from pareprop.bench.cpu_memory import _can_reset_rss
-from pareprop.bench.fields import BASELINE_ENGINES
+from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _Job, measure
 from pareprop.catalog import engine_budgets, engines_for, model_facts
@@ -48,6 +48,8 @@ def sweep_jobs(config: BenchConfig) -> List[_Job]:
                                 grad_check=config.grad_check, activation=config.activation,
                                 plan=config.plan, compile=config.compile,
                                 grad_checkpointing=config.grad_checkpointing,
+                                chunk_bytes=(config.chunk_bytes
+                                             if engine in REVERSIBLE_ENGINES else None),
                                 lr=config.lr, seed=config.seed, threads=config.threads,
                                 model_overrides=dict(config.model_overrides),
                             )

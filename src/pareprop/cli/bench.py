@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="reversible models: their non-reversible blocks (MViTv2 transitions, "
                    "Swin merging and fusion) under activation checkpointing")
+    p.add_argument("--chunk-bytes", metavar="SIZE",
+                   help="reversible engines: rebuild and differentiate each block's branches in "
+                   "chunks whose graphs save at most SIZE bytes (256MiB...; default: whole)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--drift", action="store_true",
                    help="reconstruction-drift report per block (pareprop.drift_report)")
@@ -162,6 +165,7 @@ def _config(args: argparse.Namespace):
     config.progress = not args.quiet
     config.compile = args.compile
     config.grad_checkpointing = args.grad_checkpointing
+    config.chunk_bytes = args.chunk_bytes
     return config
 
 

@@ -10,6 +10,8 @@ Examples::
     pareprop plan --models rev_swin_tiny --engines reversible --batch-sizes 64 128 256
     pareprop plan --models rev_vit_base_patch16_224 --engines reversible autograd \\
         --memory-budgets 0 0.5 1 --amp bf16 --memory 80GiB
+    pareprop plan --models rev_vit_base_patch16_224 vit_base_patch16_224 \\
+        --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes auto
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="reversible models: run their non-reversible blocks (MViTv2 "
                    "transitions, Swin merging and fusion) under activation checkpointing")
+    p.add_argument("--chunk-bytes", metavar="SIZE|auto",
+                   help="reversible engines: rebuild and differentiate each block's branches in "
+                   "chunks of at most SIZE saved bytes (256MiB...), or 'auto': the size whose "
+                   "plan has the lowest peak (default: whole branches)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
     p.add_argument("--out", default="plan_results", metavar="DIR",
@@ -82,7 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
                           device=args.device, memory_budgets=args.memory_budgets,
-                          grad_checkpointing=args.grad_checkpointing, **extra)
+                          grad_checkpointing=args.grad_checkpointing,
+                          chunk_bytes=args.chunk_bytes, **extra)
     except ValueError as err:
         print(f"pareprop plan: error: {err}", file=sys.stderr)
         return 2

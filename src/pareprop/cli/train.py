@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         "fusion) under activation checkpointing: less memory, one more forward of them (off)",
     )
     p.add_argument(
+        "--chunk-bytes",
+        help="reversible engines: rebuild and differentiate each block's branches in chunks "
+        "whose graphs save at most this many bytes (256MiB, 1GiB; pareprop.set_chunking): "
+        "less memory, about the same time; pareprop plan --chunk-bytes auto suggests one "
+        "(default: whole branches)",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="torch.compile every block's F and G, used in forward and recomputation by every "

@@ -3,6 +3,7 @@
 from pareprop.layers._config import make_config
 from pareprop.layers.attention import Attention, attend
 from pareprop.layers.drop import DropPath
+from pareprop.layers.mlp import Mlp
 from pareprop.layers.patch_embed import PatchEmbed, check_image, to_2tuple_int
 from pareprop.layers.pooling_attention import (
     PoolingAttention,
@@ -17,6 +18,7 @@ __all__ = [
     "Attention",
     "attend",
     "DropPath",
+    "Mlp",
     "PatchEmbed",
     "PoolingAttention",
     "add_decomposed_rel_pos",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pareprop.chunking import Chunk, dropout
 
 __all__ = ["Attention", "attend"]
 
@@ -15,6 +19,7 @@ def attend(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    chunk: Optional[Chunk] = None,
 ) -> torch.Tensor:
     """Softmax attention of ``(B, heads, N, head_dim)`` queries, keys and values.
 
@@ -24,14 +29,16 @@ def attend(
     depends on the backend they pick, and the backend may depend on whether the inputs
     require grad, which differs between a reversible engine's forward (no grad) and its
     recomputation. nn.Dropout's masks depend only on the generator state, which the engines
-    replay exactly.
+    replay exactly. ``chunk``: the inputs are that chunk of the batch, whose dropout mask is
+    its slice of the whole batch's (NOTE [ Exact randomness in chunks ] in
+    pareprop/chunking.py).
     """
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, heads, N, N)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
+    weights = dropout(scores.softmax(dim=-1), dropout_p, True, chunk, dim=0)
     return weights @ v  # (B, heads, N, head_dim)
 
 
@@ -66,10 +73,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: Optional[Chunk] = None) -> torch.Tensor:
+        """``chunk``: ``x`` is that chunk of the batch (for its dropout masks)."""
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, N, head_dim)
-        x = attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0, chunk=chunk)
         x = x.transpose(1, 2).reshape(B, N, C)  # (B, N, C)
-        return self.proj_drop(self.proj(x))
+        return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)

@@ -15,10 +15,14 @@ compiled graph.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
-__all__ = ["DropPath"]
+from pareprop.chunking import Chunk, whole_shape
+
+__all__ = ["DropPath", "drop_path"]
 
 
 class DropPath(nn.Module):
@@ -59,12 +63,29 @@ class DropPath(nn.Module):
                                     device=self.keep_prob.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, chunk: Optional[Chunk] = None, dim: int = 1
+    ) -> torch.Tensor:
+        """``chunk``: ``x`` is that chunk's slice along ``dim`` of the whole branch's tensor;
+        a chunk of samples (``dim=0``) takes its slice of the whole batch's draw (NOTE
+        [ Exact randomness in chunks ] in pareprop/chunking.py)."""
         if not self.training:
             return x
         keep = self.keep_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        whole = chunk is not None and chunk.count > 1 and dim == 0
+        samples, rows = whole_shape(x, chunk, 0) if whole else ([x.shape[0]], 1)
+        mask = x.new_empty((samples[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        if whole:
+            mask = chunk.take(mask, 0, rows)
         return x * mask.div_(keep.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"drop_prob={self._drop_prob:.3f}"
+
+
+def drop_path(
+    module: nn.Module, x: torch.Tensor, chunk: Optional[Chunk] = None, dim: int = 1
+) -> torch.Tensor:
+    """``module(x)`` for a block's drop-path slot (a :class:`DropPath`, or ``nn.Identity``
+    when the rate is 0), passing a chunk on to a :class:`DropPath`."""
+    return module(x, chunk, dim) if isinstance(module, DropPath) else module(x)

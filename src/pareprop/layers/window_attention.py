@@ -11,12 +11,14 @@ and to tokens that the roll brought in from the opposite edge.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
+
+from pareprop.chunking import Chunk, dropout
 
 __all__ = [
     "WindowAttention",
@@ -149,12 +151,16 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(N, N, -1).permute(2, 0, 1)  # (heads, N, N)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk: Optional[Chunk] = None
+    ) -> torch.Tensor:
         """Attend within windows.
 
         Args:
             x: ``(B * nW, N, C)`` windows, as made by :func:`window_partition`.
             mask: Optional ``(nW, N, N)`` boolean mask from :func:`window_mask`.
+            chunk: ``x`` holds that chunk of the batch's samples (for its dropout masks; NOTE
+                [ Exact randomness in chunks ] in pareprop/chunking.py).
 
         Returns:
             ``(B * nW, N, C)``.
@@ -170,9 +176,9 @@ class WindowAttention(nn.Module):
             attn = attn.view(BnW // nW, nW, self.num_heads, N, N)
             attn = attn.masked_fill(~mask[None, :, None], float("-inf"))
             attn = attn.view(BnW, self.num_heads, N, N)
-        attn = self.attn_drop(F.softmax(attn, dim=-1))
+        attn = dropout(F.softmax(attn, dim=-1), self.attn_drop.p, self.training, chunk, dim=0)
         x = (attn @ v).transpose(1, 2).reshape(BnW, N, C)  # (B*nW, N, C)
-        return self.proj_drop(self.proj(x))
+        return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)
 
     def _heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         BnW, N, C3 = qkv.shape

@@ -38,14 +38,27 @@ from pareprop.catalog import (
     model_facts,
     model_source,
 )
+from pareprop.engine import set_chunking
 from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import amp_dtype, amp_label, create_optimizer_state, make_optimizer
+from pareprop.memory.units import parse_memory
 
 __all__ = ["plan_memory", "largest_batch", "MAX_BATCH"]
 
 MAX_BATCH = 2**20  # the largest-batch search stops here
+
+# NOTE [ Choosing the chunk size ]
+#     ``chunk_bytes="auto"`` plans the step with whole branches, then with chunks of these
+#     fractions of one stream of the largest stack (its bytes come from the whole-branch plan's
+#     floor), and keeps the chunking with the lowest planned peak. A smaller chunk never plans
+#     more, but past some size the peak is set by the streams and gradients, not by the chunk,
+#     and smaller chunks only cost time; so among the plans within AUTO_CHUNK_TOLERANCE of the
+#     lowest peak the largest chunk wins (whole branches first). Expressed in bytes, the choice
+#     carries over to other batch sizes: a chunk of that size holds the same samples or tokens.
+AUTO_CHUNK_FRACTIONS = (2.0, 0.5, 1 / 8, 1 / 32)
+AUTO_CHUNK_TOLERANCE = 0.01
 
 
 class _cpu_linspace(TorchFunctionMode):
@@ -110,6 +123,7 @@ def plan_memory(
     device: str = "cuda",
     memory_budget: Any = None,
     grad_checkpointing: bool = False,
+    chunk_bytes: Any = None,
     **overrides: Any,
 ) -> MemoryReport:
     """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
@@ -131,6 +145,10 @@ def plan_memory(
         grad_checkpointing: reversible models only: their blocks that are not reversible run
             under activation checkpointing (``model.set_grad_checkpointing()``; for timm's
             models that is engine ``checkpointed``).
+        chunk_bytes: for ``reversible`` and ``pareprop``: ``None`` (whole branches), a chunk
+            size (bytes or ``"256MiB"``: ``pareprop.set_chunking(model, max_bytes=...)``), or
+            ``"auto"``: the chunk size whose plan has the lowest peak (NOTE [ Choosing the
+            chunk size ]); the report's ``chunk_bytes`` says which.
         **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
             stage), ``seq_len`` (text), ``num_classes``, ``seed``, and any model config field;
             what is not given is the model's own (the model planned is the one
@@ -146,6 +164,16 @@ def plan_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _check(name, batch_size, engine, device)
+    if chunk_bytes is not None and engine not in ("reversible", "pareprop"):
+        raise ValueError(
+            f"chunk_bytes chunks the branches of a reversible engine's backward; engine "
+            f"{engine!r} has none (use reversible or pareprop, or chunk_bytes=None)"
+        )
+    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+        return _plan_auto_chunks(
+            name, batch_size, engine, amp=amp, optimizer=optimizer, device=device,
+            memory_budget=memory_budget, grad_checkpointing=grad_checkpointing, **overrides)
+    size = None if chunk_bytes is None else parse_memory(chunk_bytes)
     if memory_budget is not None and engine not in ("reversible", "pareprop"):
         raise ValueError(
             f"a memory budget chooses stored blocks of a reversible engine; engine {engine!r} "
@@ -169,11 +197,26 @@ def plan_memory(
         create_optimizer_state(model, opt)
         if memory_budget is not None:
             _store_for_budget(model, inputs, memory_budget, engine, dtype)
+        set_chunking(model, max_bytes=size)
         with _planning_values():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
-                        grad_checkpointing=request.grad_checkpointing)
+                        grad_checkpointing=request.grad_checkpointing, chunk_bytes=size)
+
+
+def _plan_auto_chunks(name: str, batch_size: int, engine: str, **kwargs: Any) -> MemoryReport:
+    """The plan of the chunk size with the lowest peak (NOTE [ Choosing the chunk size ])."""
+    whole = plan_memory(name, batch_size, engine, **kwargs)
+    fixed = whole.parameters + whole.gradients + whole.optimizer_state + whole.inputs
+    stream = (whole.floor - fixed) // 8 if whole.floor else 0
+    plans = [whole]  # largest chunk first: whole branches, then smaller and smaller chunks
+    if stream > 0:
+        for fraction in AUTO_CHUNK_FRACTIONS:
+            size = max(1, int(stream * fraction))
+            plans.append(plan_memory(name, batch_size, engine, chunk_bytes=size, **kwargs))
+    lowest = min(p.peak for p in plans)
+    return next(p for p in plans if p.peak <= lowest * (1 + AUTO_CHUNK_TOLERANCE))
 
 
 def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget: Any,
@@ -201,7 +244,8 @@ def largest_batch(
         name, engine: as for :func:`plan_memory`.
         memory_bytes: the memory to fit in.
         start: the first batch tried.
-        **plan_kwargs: passed to :func:`plan_memory` (``amp``, ``device``, ``img_size``...).
+        **plan_kwargs: passed to :func:`plan_memory` (``amp``, ``device``, ``img_size``,
+            ``chunk_bytes``: with ``"auto"`` every batch tried gets its own best chunking...).
 
     Returns:
         ``(largest batch, or 0 when batch 1 does not fit; every report planned, by batch)``.

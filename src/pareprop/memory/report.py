@@ -40,6 +40,12 @@ class MemoryReport:
             checkpointing (``model.set_grad_checkpointing()``).
         method: how ``peak`` was obtained (``cuda_max_allocated``, ``tracked_real``,
             ``tracked_fake``: see docs/memory.md).
+        floor: what a reversible step cannot go below: parameters, gradients, optimizer
+            state, inputs and eight stream-sized maps of the largest stack (its outputs, the
+            rebuilt inputs and the gradients of both); 0 when no stack runs a reversible
+            engine (NOTE [ The floor of a reversible step ] in memory/step.py).
+        chunk_bytes: the chunking planned (``pareprop.set_chunking(max_bytes=...)``); None for
+            whole branches.
     """
 
     parameters: int
@@ -55,6 +61,8 @@ class MemoryReport:
     device: str = "cpu"
     method: str = ""
     grad_checkpointing: bool = False
+    floor: int = 0
+    chunk_bytes: Optional[int] = None
 
     @property
     def transient(self) -> int:
@@ -73,6 +81,8 @@ class MemoryReport:
     def table(self) -> str:
         """A small two-column table in GiB, the parts first and the peak last."""
         engine = (self.engine or "-") + ("+ckpt" if self.grad_checkpointing else "")
+        if self.chunk_bytes is not None:
+            engine += f" in chunks of {self.chunk_bytes / 2**20:.3g} MiB"
         what = f"{self.model or 'model'} / {engine} / batch {self.batch_size}"
         rows = [
             ("parameters (+ buffers)", self.parameters),
@@ -83,6 +93,8 @@ class MemoryReport:
             ("transient at the peak (grads + backward)", self.transient),
             ("peak of the step", self.peak),
         ]
+        if self.floor:
+            rows.append(("floor (streams, rebuilt inputs, gradients)", self.floor))
         width = max(len(r[0]) for r in rows)
         lines = [f"{what}  ({self.device}, amp {self.amp}, {self.method})",
                  f"{'':<{width}}  {'GiB':>9}"]

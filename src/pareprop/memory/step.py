@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pareprop import catalog
+from pareprop.engine import ReversibleStack
 
 __all__ = ["OPTIMIZERS", "AMP_NAMES"]
 
@@ -128,7 +129,8 @@ def run_step(
     saved = _SavedBytes(params + list(inputs))
     autocast = (torch.autocast(device_type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
-    with saved.hooks():
+    streams = _StreamBytes(model)
+    with saved.hooks(), streams:
         with autocast:
             logits = catalog.logits(model(*inputs))
         logits = logits.float().flatten(0, -2)
@@ -142,4 +144,39 @@ def run_step(
     if optimizer is not None:
         optimizer.step()
     counts["optimizer_state"] = unique_bytes(state_tensors(optimizer))
+    counts["floor"] = 0 if not streams.largest else (
+        counts["parameters"] + counts["gradients"] + counts["optimizer_state"]
+        + counts["inputs"] + 8 * streams.largest)
     return counts
+
+
+# NOTE [ The floor of a reversible step ]
+#     What a reversible backward cannot avoid: the parameters, their gradients, the optimizer
+#     state and the inputs, plus, for the largest stack, its two output streams, the two
+#     rebuilt input streams and the gradients of both pairs: eight stream-sized maps (float32
+#     under autocast, where the streams stay float32). A report's ``floor`` is that sum (0 when
+#     no stack runs a reversible engine), so ``peak / floor`` says how far a configuration is
+#     from what no schedule of the reversible backward can go below.
+class _StreamBytes:
+    """The bytes of one stream of the largest reversible stack that runs during a step."""
+
+    def __init__(self, model: nn.Module):
+        self.largest = 0
+        self._stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+        self._hooks: list = []
+
+    def _record(self, stack: ReversibleStack, args: Tuple[Any, ...]) -> None:
+        if stack.engine == "autograd" or not stack.training or not args:
+            return
+        x = args[0]
+        # Under autocast the stack widens low-precision streams to float32.
+        size = 4 if x.dtype in (torch.float16, torch.bfloat16) else x.element_size()
+        self.largest = max(self.largest, x.numel() * size)
+
+    def __enter__(self) -> "_StreamBytes":
+        self._hooks = [s.register_forward_pre_hook(self._record) for s in self._stacks]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()

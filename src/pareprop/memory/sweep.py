@@ -13,7 +13,7 @@ __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
 # One record per model, engine and batch size, in plan.json and the printed table.
 PLAN_FIELDS = ("model", "engine", "memory_budget", "grad_checkpointing", "batch_size",
                "amp", "img_size", "device", *BYTE_FIELDS,
-               "inputs", "transient", "fits")
+               "inputs", "transient", "floor", "chunk_bytes", "fits")
 
 
 def plan_sweep(
@@ -26,6 +26,7 @@ def plan_sweep(
     device: str = "cuda",
     memory_budgets: Sequence[Optional[float]] = (None,),
     grad_checkpointing: bool = False,
+    chunk_bytes: Any = None,
     **overrides: Any,
 ) -> Dict[str, Any]:
     """Plan every model with every engine that applies to it, at every batch size.
@@ -42,6 +43,8 @@ def plan_sweep(
         grad_checkpointing: the reversible models' non-reversible blocks under activation
             checkpointing (timm's models are unaffected: their engine ``checkpointed`` is
             that).
+        chunk_bytes: chunked branches for the reversible engines (``None``, bytes or
+            ``"auto"``; see :func:`plan_memory`); other engines are planned without.
 
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
@@ -57,8 +60,9 @@ def plan_sweep(
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
         for engine, budget in engine_budgets(mine, memory_budgets):
             gc = grad_checkpointing and model_facts(name).reversible
+            chunked = chunk_bytes if engine in ("reversible", "pareprop") else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
-                      **overrides)
+                      chunk_bytes=chunked, **overrides)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
             if memory_bytes is not None:
                 best, searched = largest_batch(name, engine, memory_bytes, **kw)
@@ -67,7 +71,9 @@ def plan_sweep(
                 at = reports.get(best)
                 largest.append({"model": name, "engine": engine, "memory_budget": budget,
                                 "grad_checkpointing": gc, "largest_batch": best,
-                                "peak": at.peak if at is not None else None})
+                                "peak": at.peak if at is not None else None,
+                                "floor": at.floor if at is not None else None,
+                                "chunk_bytes": at.chunk_bytes if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
                 d.update(img_size=img_size, memory_budget=budget,
@@ -80,21 +86,28 @@ def _gib(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.3g}"
+
+
 def format_plan(plan: Dict[str, Any]) -> str:
     """The breakdown per model, engine and batch (GiB), then the largest batch per engine."""
     head = ("model", "engine", "bs", "params", "grads", "optim", "acts", "transient", "peak GiB",
-            "fits")
+            "floor GiB", "chunks MiB", "fits")
     rows = [head]
     for r in plan["records"]:
         rows.append((r["model"], engine_label(r), str(r["batch_size"]), _gib(r["parameters"]),
                      _gib(r["gradients"]), _gib(r["optimizer_state"]), _gib(r["activations"]),
-                     _gib(r["transient"]), _gib(r["peak"]),
+                     _gib(r["transient"]), _gib(r["peak"]), _gib(r.get("floor") or None),
+                     _mib(r.get("chunk_bytes")),
                      "-" if r["fits"] is None else ("yes" if r["fits"] else "no")))
     out = [_align(rows)]
     if plan["largest_batch"]:
         mem = plan["memory_bytes"]
-        rows = [("model", "engine", f"largest batch in {mem / 2**30:.1f} GiB", "peak GiB there")]
-        rows += [(x["model"], engine_label(x), str(x["largest_batch"]), _gib(x["peak"]))
+        rows = [("model", "engine", f"largest batch in {mem / 2**30:.1f} GiB", "peak GiB there",
+                 "floor GiB there", "chunks MiB")]
+        rows += [(x["model"], engine_label(x), str(x["largest_batch"]), _gib(x["peak"]),
+                  _gib(x.get("floor") or None), _mib(x.get("chunk_bytes")))
                  for x in plan["largest_batch"]]
         out.append(_align(rows))
     return "\n\n".join(out)

@@ -27,11 +27,18 @@ from typing import Any, Dict, List, Set, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import PatchEmbed, PoolingAttention, check_image, make_config, to_2tuple_int
-from pareprop.layers.drop import DropPath
+from pareprop.layers import (
+    Mlp,
+    PatchEmbed,
+    PoolingAttention,
+    check_image,
+    make_config,
+    to_2tuple_int,
+)
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
@@ -208,13 +215,29 @@ class RevMViTBlock(ReversibleBlock):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def f(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        return self.drop_path1(self._attend(x, hw))
+
+    def _attend(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
         x = self.norm1(x).view(B, hw[0], hw[1], C)  # (B, H, W, C)
-        x = self.attn(x).view(B, N, C)  # (B, H*W, C)
-        return self.drop_path1(x)
+        return self.attn(x).view(B, N, C)  # (B, H*W, C)
 
     def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone (pooling attention has no dropout), G on each token alone.
+    def f_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
+        return drop_path(self.drop_path1, self._attend(x, hw), chunk, dim=0)
+
+    def g_split(self, x: torch.Tensor, hw: Tuple[int, int]) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, int]) -> torch.Tensor:
+        return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class MViTTransitionBlock(nn.Module):

@@ -23,11 +23,12 @@ from typing import Any, Dict, Set, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp, to_2tuple
+from timm.layers import to_2tuple
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import check_image, make_config
-from pareprop.layers.drop import DropPath
+from pareprop.layers import Mlp, check_image, make_config
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.layers.window_attention import (
     WindowAttention,
@@ -213,6 +214,11 @@ class RevSwinBlock(ReversibleBlock):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Window attention on ``(B, H, W, C)``; masks from :func:`window_mask`."""
+        return self.drop_path(self._attend(x, shift_mask if self.shift > 0 else mask, None))
+
+    def _attend(
+        self, x: torch.Tensor, mask: torch.Tensor | None, chunk: Chunk | None
+    ) -> torch.Tensor:
         B, H, W, C = x.shape
         w, s = self.window, self.shift
         x = self.norm1(x)
@@ -220,14 +226,37 @@ class RevSwinBlock(ReversibleBlock):
         x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))  # (B, Hp, Wp, C)
         if s > 0:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        x = self.attn(window_partition(x, w), shift_mask if s > 0 else mask)  # (B*nW, N, C)
+        x = self.attn(window_partition(x, w), mask, chunk)  # (B*nW, N, C)
         x = window_reverse(x, w, Hp, Wp)  # (B, Hp, Wp, C)
         if s > 0:
             x = torch.roll(x, shifts=(s, s), dims=(1, 2))
-        return self.drop_path(x[:, :H, :W, :])
+        return x[:, :H, :W, :]
 
     def g(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.drop_path(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone (its windows), G on each token alone, cut into bands of rows of the
+    # (B, H, W, C) map.
+    def f_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(
+        self,
+        x: torch.Tensor,
+        chunk: Chunk,
+        mask: torch.Tensor | None = None,
+        shift_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        x = self._attend(x, shift_mask if self.shift > 0 else mask, chunk)
+        return drop_path(self.drop_path, x, chunk, dim=0)
+
+    def g_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, **kwargs: Any) -> torch.Tensor:
+        return drop_path(self.drop_path, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class RevSwinStage(nn.Module):

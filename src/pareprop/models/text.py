@@ -28,13 +28,14 @@ from typing import Any, Dict, Set, Tuple
 
 import torch
 import torch.nn as nn
-from timm.layers import Mlp
 from torch.utils.checkpoint import checkpoint
 
+from pareprop.chunking import Chunk, Split, dropout
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import make_config
 from pareprop.layers.attention import attend
-from pareprop.layers.drop import DropPath
+from pareprop.layers.drop import DropPath, drop_path
+from pareprop.layers.mlp import Mlp
 from pareprop.models._base import (
     ClassifierMixin,
     ReversibleModelMixin,
@@ -158,14 +159,22 @@ class TextSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attn_mask``: boolean ``(B, 1, 1, L)``, True for keys that may be attended to."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        chunk: Chunk | None = None,
+    ) -> torch.Tensor:
+        """``attn_mask``: boolean ``(B, 1, 1, L)``, True for keys that may be attended to.
+        ``chunk``: ``x`` is that chunk of the batch (for its dropout masks; NOTE [ Exact
+        randomness in chunks ] in pareprop/chunking.py)."""
         B, L, C = x.shape
         qkv = self.qkv(x).view(B, L, 3, self.num_heads, C // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, L, head_dim)
-        x = attend(q, k, v, attn_mask, dropout_p=self.attn_drop if self.training else 0.0)
+        p = self.attn_drop if self.training else 0.0
+        x = attend(q, k, v, attn_mask, dropout_p=p, chunk=chunk)
         x = x.transpose(1, 2).reshape(B, L, C)  # (B, L, C)
-        return self.proj_drop(self.proj(x))
+        return dropout(self.proj(x), self.proj_drop.p, self.training, chunk, dim=0)
 
 
 class RevTextBlock(ReversibleBlock):
@@ -185,6 +194,25 @@ class RevTextBlock(ReversibleBlock):
 
     def g(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.drop_path(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone (with its own key mask), G on each token alone.
+    def f_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(
+        self, x: torch.Tensor, chunk: Chunk, attn_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        if attn_mask is not None:
+            attn_mask = chunk.take(attn_mask, 0)  # (b, 1, 1, L): this chunk's samples
+        x = self.attn(self.norm1(x), attn_mask, chunk)
+        return drop_path(self.drop_path, x, chunk, dim=0)
+
+    def g_split(self, x: torch.Tensor, **kwargs: Any) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, **kwargs: Any) -> torch.Tensor:
+        return drop_path(self.drop_path, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class _TextModel(ClassifierMixin, nn.Module):

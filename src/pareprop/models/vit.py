@@ -16,12 +16,14 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import trunc_normal_
 from timm.models._features import feature_take_indices
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Attention, PatchEmbed, check_image, make_config, to_2tuple_int
-from pareprop.layers.drop import DropPath
+from pareprop.layers.drop import DropPath, drop_path
+from pareprop.layers.mlp import Mlp
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
@@ -110,6 +112,20 @@ class RevViTBlock(ReversibleBlock):
 
     def g(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone, G on each token alone.
+    def f_split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return drop_path(self.drop_path1, self.attn(self.norm1(x), chunk), chunk, dim=0)
+
+    def g_split(self, x: torch.Tensor) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
 class RevViT(ReversibleImageModelMixin, nn.Module):

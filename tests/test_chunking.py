@@ -1,0 +1,213 @@
+"""Chunked branches (pareprop.set_chunking): every family under every reversible engine equals
+plain autograd in float64 with chunk counts 1, 2, 3 and 7, dropout and drop-path on; chunked
+dropout draws exactly the whole branch's masks; the top block's outputs are left alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pareprop
+from pareprop import chunking
+from pareprop import engine as engine_module
+from pareprop.testing import engine_errors, worst_error
+from test_engine import DIM, TOL, Model, float64  # noqa: F401 - autouse fixture
+
+ENGINES = ("reversible", "pareprop")
+COUNTS = (1, 2, 3, 7)
+BATCH = 8  # F splits over samples: 7 chunks of 8 samples leave an uneven last one
+
+
+def _tiny_models():
+    """One model of each family with enough tokens for 7 uneven chunks, dropout and drop-path
+    on."""
+    vit = pareprop.create_model(
+        "rev_vit_tiny_patch4_32", img_size=16, embed_dim=16, depth=3, num_heads=8,
+        num_classes=5, drop_path_rate=0.3, attn_drop_rate=0.1, proj_drop_rate=0.1,
+    )
+    mvit = pareprop.create_model(
+        "rev_mvitv2_tiny_32", img_size=16, embed_dim=16, num_heads=4, num_classes=5,
+        drop_path_rate=0.3, last_block_indexes=(0, 3),
+    )
+    swin = pareprop.create_model(
+        "rev_swin_tiny_32", embed_dim=16, depths=(2, 3), num_heads=(4, 8), window=4,
+        patch_size=2, img_size=16, num_classes=5, drop_path_rate=0.2, attn_drop_rate=0.1,
+        proj_drop_rate=0.1,
+    )
+    text = pareprop.create_model(
+        "rev_roberta_small", vocab_size=20, max_position_embeddings=16, example_seq_len=12,
+        embed_dim=16, depth=3, num_heads=8, mlp_dim=32, num_classes=3, attn_drop_rate=0.1,
+        drop_rate=0.1, drop_path_rate=0.2,
+    )
+    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text}
+
+
+def _model(family):
+    torch.manual_seed(0)
+    model = _tiny_models()[family].double()
+    if family == "mvit":  # the key norm's bias has an exact zero gradient (see test_mvit.py)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith("norm_k.bias"))
+    return model
+
+
+def _spy_chunks(monkeypatch):
+    """Record (size, count) of every chunked branch the engine runs."""
+    seen = []
+    real = engine_module.chunks
+
+    def spy(size, count):
+        seen.append((size, count))
+        return real(size, count)
+
+    monkeypatch.setattr(engine_module, "chunks", spy)
+    return seen
+
+
+def test_chunks_cover_every_unit_the_first_ones_longer():
+    assert [(c.start, c.stop) for c in chunking.chunks(10, 3)] == [(0, 4), (4, 7), (7, 10)]
+    assert [c.length for c in chunking.chunks(3, 7)] == [1, 1, 1]  # at most one per unit
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+@pytest.mark.parametrize("dim,rows", [(0, 1), (0, 3), (1, 1), (2, 1)])
+def test_chunked_dropout_and_drop_path_draw_the_whole_mask(count, dim, rows):
+    # rows=3: three rows per unit along the batch, as Swin's windows (B * nW, N, C)
+    x = torch.randn(9 * rows if dim == 0 else 3, 9, 10)
+    units = x.shape[dim] // rows
+    drop = pareprop.layers.DropPath(0.5).train()
+    for name, whole_fn, chunk_fn in [
+        ("dropout", lambda t: F.dropout(t, 0.4),
+         lambda t, c: chunking.dropout(t, 0.4, True, c, dim)),
+        ("drop_path", drop, lambda t, c: drop(t, c, dim)),
+    ]:
+        torch.manual_seed(5)
+        whole = whole_fn(x)
+        after_whole = torch.get_rng_state()
+        parts = []
+        for chunk in chunking.chunks(units, count):
+            torch.manual_seed(5)  # the engine restores the branch's state before every chunk
+            parts.append(chunk_fn(chunk.take(x, dim, rows), chunk))
+            # the generator moved exactly as the whole draw moved it: later draws agree too
+            assert torch.equal(torch.get_rng_state(), after_whole), name
+        assert torch.equal(torch.cat(parts, dim), whole), name
+    # A chunk that drew only its own part would not match: the test can fail.
+    last = chunking.chunks(units, count)[-1]
+    torch.manual_seed(5)
+    whole = F.dropout(x, 0.4)
+    torch.manual_seed(5)
+    assert not torch.equal(F.dropout(last.take(x, dim, rows), 0.4), last.take(whole, dim, rows))
+
+
+@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text"])
+@pytest.mark.parametrize("count", COUNTS)
+def test_every_family_and_engine_equals_autograd_with_chunks(family, count, monkeypatch):
+    model = _model(family)
+    pareprop.set_chunking(model, chunks=count)
+    seen = _spy_chunks(monkeypatch)
+    report = engine_errors(model, model.example_inputs(BATCH, dtype=torch.float64),
+                           engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{family} chunks={count}: {engine} {key} relative error {err:.3e}"
+    if count == 1:  # whole branches through the chunked (in-place) schedule
+        assert seen == []
+    else:  # both splits ran (samples and tokens), and some with an uneven last chunk
+        assert seen and all(c == min(count, size) for size, c in seen)
+        assert {size for size, _ in seen} >= {BATCH}
+        if count == 7:
+            assert any(size % c for size, c in seen)
+
+
+def test_stored_blocks_with_chunks():
+    model = _model("vit")
+    model.stack.store_blocks([1])
+    pareprop.set_chunking(model, chunks=3)
+    report = engine_errors(model, model.example_inputs(4, dtype=torch.float64),
+                           engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+
+
+def test_block_without_a_split_runs_whole_under_chunking():
+    model = Model(3)
+    pareprop.set_chunking(model, chunks=4)
+    report = engine_errors(model, torch.randn(2, 5, DIM), engines=ENGINES, scale=torch.tensor(0.5))
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunking_by_bytes_picks_counts_and_stays_exact(engine, monkeypatch):
+    model = _model("vit")
+    seen = _spy_chunks(monkeypatch)
+    pareprop.set_chunking(model, max_bytes=10**12)  # everything fits: whole branches
+    engine_errors(model, model.example_inputs(2, dtype=torch.float64), engines=(engine,))
+    assert seen == []
+    pareprop.set_chunking(model, max_bytes="4KiB")
+    report = engine_errors(model, model.example_inputs(2, dtype=torch.float64),
+                           engines=(engine,))
+    engine_, key, err = worst_error(report)
+    assert err < TOL, f"{engine_} {key} relative error {err:.3e}"
+    assert seen and any(count > 1 for _, count in seen)
+    assert model.stack._chunk_costs  # measured once, then reused
+    pareprop.set_chunking(model)  # off again
+    assert model.stack.chunking is None
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_outputs_are_left_alone_and_a_second_backward_is_refused(engine):
+    model = _model("vit")
+    pareprop.set_engine(model, engine)
+    pareprop.set_chunking(model, chunks=3)
+    x = model.example_inputs(2, dtype=torch.float64)[0]
+    tokens = (model.patch_embed(x) + model.pos_embed).detach()
+    y1, y2 = model.stack(tokens, tokens)
+    kept = (y1.detach().clone(), y2.detach().clone())
+    loss = (y1 * 1.5).sum() + (y2 * y2).sum()
+    loss.backward(retain_graph=True)
+    assert torch.equal(y1, kept[0]) and torch.equal(y2, kept[1])  # the caller's outputs
+    with pytest.raises(RuntimeError, match="chunked ReversibleStack a second time"):
+        loss.backward()
+    # An output changed in place before backward is refused, not silently used.
+    y1, y2 = model.stack(tokens, tokens)
+    loss = (y1 * 1.5).sum() + y2.sum()
+    with torch.no_grad():
+        y2.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
+def test_bf16_autocast_is_replayed_in_chunks():
+    model = _model("vit").float()
+    x = model.example_inputs(2, dtype=torch.float32)
+    errors = {}
+    for count in (None, 3):
+        pareprop.set_chunking(model, chunks=count)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            errors[count] = worst_error(engine_errors(model, x, engines=ENGINES))[2]
+    # bf16 rounding of head and token slices differs a little; a missed autocast replay
+    # (float32 recomputation of a bf16 forward) or a wrong mask is far off.
+    assert errors[3] < max(2 * errors[None], 2e-2), errors
+
+
+def test_bad_chunking_is_refused_clearly():
+    model = _model("vit")
+    with pytest.raises(ValueError, match="chunk count >= 1"):
+        pareprop.set_chunking(model, chunks=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        pareprop.set_chunking(model, chunks=2, max_bytes=1000)
+    with pytest.raises(ValueError, match="256MiB"):
+        pareprop.set_chunking(model, max_bytes="12 parsecs")
+    assert model.stack.chunking is None
+    assert "chunks=3" in repr(pareprop.set_chunking(model, chunks=3).stack)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_skip_scale_with_chunks(count):
+    # NOTE [ Skip scale of the coupling ]: the chunked paths divide and multiply by beta in place
+    model = _model("vit")
+    for block in model.stack.blocks:
+        block.set_skip_scale(0.5)
+    pareprop.set_chunking(model, chunks=count)
+    report = engine_errors(model, model.example_inputs(4, dtype=torch.float64), engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"chunks={count}: {engine} {key} relative error {err:.3e}"
