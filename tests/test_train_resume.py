@@ -56,6 +56,7 @@ def test_resume_restores_directory_seed_and_schedule(full, tmp_path, monkeypatch
     (["--model-arg", "depth=3"], "model_kwargs"),
     (["--memory-budget", "0.5"], "memory_budget null -> \"0.5\""),
     (["--lr", "1e-6"], "lr 0.002 -> 1e-06"),
+    (["--layer-decay", "0.75"], "layer_decay null -> 0.75"),
     (["--epochs", "1"], "--epochs 1 is fewer than the 2 epoch(s)"),
 ])
 def test_resume_refuses_options_that_contradict_the_run(tmp_path, capsys, argv, message):

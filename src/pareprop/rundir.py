@@ -50,6 +50,10 @@ __all__ = [
 RUN_FIELDS = (
     "model", "model_kwargs", "dataset", "augment", "seed", "batch_size", "lr", "weight_decay",
     "warmup_epochs", "label_smoothing", "clip_grad", "grad_accum", "amp", "memory_budget",
+    # fine-tuning: the optimizer's parameter groups (layer decay) and the coupling schedule are
+    # part of the run's trajectory, and its starting weights are part of what it is
+    "pretrained", "pretrained_file", "layer_decay", "convert_from", "coupling_schedule",
+    "coupling_steps",
 )
 # Options of this invocation and machine, never restored: --stop-after-epochs and --max-steps
 # cut this invocation short, and a run may resume on other hardware (e.g. without --fsdp).
