@@ -768,11 +768,14 @@ def _chunk_cost(
         chunk = Chunk(0, 2, 0, units, split.size)
         seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
 
-        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> Tensor:
+        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> None:
             ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
             if ptr not in skip:
                 seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-            return t
+            # Nothing is kept: the measured graph is never differentiated, and a saved tensor
+            # that is its node's own output would make a reference cycle through the graph,
+            # which holds the input's storage until the garbage collector runs.
+            return None
 
         rng.restore(plan.device)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
