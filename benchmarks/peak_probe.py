@@ -64,7 +64,8 @@ def main() -> None:
                          chunk_bytes=args.chunk_bytes)
     print(f"{args.model} {args.engine} batch {args.batch_size}: peak {report.peak / GIB:.3f} GiB, "
           f"floor {report.floor / GIB:.3f} GiB, activations {report.activations / GIB:.3f} GiB")
-    print(f"operator at the peak: {found.get('op')} ({'backward' if found.get('backward') else 'forward'})")
+    phase = "backward" if found.get("backward") else "forward"
+    print(f"operator at the peak: {found.get('op')} ({phase})")
     print("modules:", ", ".join(m for m in found.get("modules", []) if m != "Global"))
     print("parts:", ", ".join(f"{k.split('.')[-1]} {v / GIB:.3f}"
                               for k, v in found.get("parts", {}).items() if v))
