@@ -227,9 +227,9 @@ def _spy_checkpoint_chunks(monkeypatch):
     seen = []
     real = recompute._checkpoint_chunks
 
-    def spy(module, x, split, count):
+    def spy(module, parts, join, split, count):
         seen.append((type(module).__name__, split.size, count))
-        return real(module, x, split, count)
+        return real(module, parts, join, split, count)
 
     monkeypatch.setattr(recompute, "_checkpoint_chunks", spy)
     return seen

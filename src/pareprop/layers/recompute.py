@@ -35,7 +35,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from weakref import WeakKeyDictionary
 
 import torch
@@ -52,40 +52,68 @@ _COSTS: "WeakKeyDictionary[nn.Module, Dict[Any, Tuple[float, float]]]" = WeakKey
 
 def maybe_checkpoint(
     module: Optional[nn.Module],
-    x: torch.Tensor,
+    x: Union[torch.Tensor, Sequence[torch.Tensor]],
     enabled: bool,
     chunking: Optional[Chunking] = None,
+    join: Optional[Callable[..., torch.Tensor]] = None,
 ) -> torch.Tensor:
     """``module(x)``, under ``torch.utils.checkpoint`` when ``enabled`` and autograd records
     (in eval or under ``no_grad`` there is nothing to save); ``x`` when ``module`` is None.
     With ``chunking`` (the stage's stack's) a module that declares ``split`` and
-    ``forward_chunk`` is checkpointed in chunks (NOTE [ Checkpointed blocks in chunks ])."""
+    ``forward_chunk`` is checkpointed in chunks (NOTE [ Checkpointed blocks in chunks ]).
+    With ``join``, ``x`` is a sequence of tensors and the module's input is ``join(*x)``,
+    made inside the checkpoint: the checkpoint keeps the parts (a stack's two output streams,
+    which the stack keeps anyway), not a joined copy of them."""
+    parts = tuple(x) if join is not None else (x,)
+    join = join if join is not None else _first
     if module is None:
-        return x
+        return join(*parts)
     if enabled and torch.is_grad_enabled() and not torch.jit.is_scripting():
-        count, split = checkpoint_chunk_count(module, x, chunking)
+        count, split = checkpoint_chunk_count(module, parts, chunking, join)
         if count > 1:
-            return _checkpoint_chunks(module, x, split, count)
-        return checkpoint(module, x, use_reentrant=False)
-    return module(x)
+            return _checkpoint_chunks(module, parts, join, split, count)
+        return checkpoint(_Joined(module, join), *parts, use_reentrant=False)
+    return module(join(*parts))
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _Joined:
+    """``module(join(*parts))``, or ``module.forward_chunk(join(*parts), chunk)``."""
+
+    def __init__(self, module: nn.Module, join: Callable[..., torch.Tensor],
+                 chunk: Optional[Chunk] = None):
+        self.module, self.join, self.chunk = module, join, chunk
+
+    def __call__(self, *parts: torch.Tensor) -> torch.Tensor:
+        if self.chunk is None:
+            return self.module(self.join(*parts))
+        return self.module.forward_chunk(self.join(*parts), self.chunk)
 
 
 def checkpoint_chunk_count(
-    module: nn.Module, x: torch.Tensor, chunking: Optional[Chunking]
+    module: nn.Module,
+    parts: Sequence[torch.Tensor],
+    chunking: Optional[Chunking],
+    join: Callable[..., torch.Tensor] = _first,
 ) -> Tuple[int, Optional[Split]]:
-    """How many chunks ``module`` is checkpointed in for input ``x`` under ``chunking``: 1 when
-    chunking is off or the module declares no split; else the chunking's count, or the fewest
-    chunks whose graph saves at most its ``max_bytes`` (measured once per input)."""
+    """How many chunks ``module`` is checkpointed in for input ``join(*parts)`` under
+    ``chunking``: 1 when chunking is off or the module declares no split; else the chunking's
+    count, or the fewest chunks whose graph saves at most its ``max_bytes`` (measured once per
+    input). The module's ``split`` sees the first part, which splits along the same axis as
+    the joined input (samples, or rows of a map)."""
     split = getattr(module, "split", None)
     if chunking is None or split is None:
         return 1, None
-    split = split(x)
+    split = split(parts[0])
     if not isinstance(split, Split):
         raise TypeError(f"{type(module).__name__}.split must return a pareprop.chunking.Split, "
                         f"got {type(split).__name__}")
     if chunking.count is not None:
         return chunking.count_for(split.size), split
-    return chunking.count_for(split.size, *_chunk_cost(module, x, split)), split
+    return chunking.count_for(split.size, *_chunk_cost(module, parts, join, split)), split
 
 
 def _rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -100,15 +128,21 @@ def _set_rng_state(state: Tuple[torch.Tensor, Optional[torch.Tensor]],
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _checkpoint_chunks(module: nn.Module, x: torch.Tensor, split: Split,
+def _split(x: torch.Tensor, split: Split, pieces: List[Chunk]) -> Tuple[torch.Tensor, ...]:
+    rows = x.shape[split.dim] // split.size
+    return x.split([c.length * rows for c in pieces], dim=split.dim)
+
+
+def _checkpoint_chunks(module: nn.Module, parts: Sequence[torch.Tensor],
+                       join: Callable[..., torch.Tensor], split: Split,
                        count: int) -> torch.Tensor:
     pieces = chunks(split.size, count)
-    sizes = [c.length * (x.shape[split.dim] // split.size) for c in pieces]
-    state = _rng_state(x.device)
+    device = parts[0].device
+    state = _rng_state(device)
     outs = []
-    for chunk, part in zip(pieces, x.split(sizes, dim=split.dim)):
-        _set_rng_state(state, x.device)  # every chunk draws what the whole block drew
-        outs.append(checkpoint(module.forward_chunk, part, chunk, use_reentrant=False))
+    for chunk, *sliced in zip(pieces, *(_split(p, split, pieces) for p in parts)):
+        _set_rng_state(state, device)  # every chunk draws what the whole block drew
+        outs.append(checkpoint(_Joined(module, join, chunk), *sliced, use_reentrant=False))
     return torch.cat(outs, dim=split.dim)
 
 
@@ -120,10 +154,12 @@ def _autocast_key(device_type: str) -> Tuple[Any, ...]:
         return (torch.is_autocast_enabled(),)
 
 
-def _chunk_cost(module: nn.Module, x: torch.Tensor, split: Split) -> Tuple[float, float]:
+def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
+                join: Callable[..., torch.Tensor], split: Split) -> Tuple[float, float]:
     """(fixed, per unit) bytes saved by the graph of one chunk, measured on chunks of one and
     two units (as the engine measures a branch's chunks)."""
-    key = (tuple(x.shape), x.dtype, _autocast_key(x.device.type))
+    x = parts[0]
+    key = (tuple(tuple(p.shape) for p in parts), x.dtype, _autocast_key(x.device.type))
     costs = _COSTS.setdefault(module, {})
     if key in costs:
         return costs[key]
@@ -144,13 +180,15 @@ def _chunk_cost(module: nn.Module, x: torch.Tensor, split: Split) -> Tuple[float
 
         chunk = Chunk(0, 2, 0, units, split.size)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # A copy, not a view of x: under plan_memory's fake tensors the measured graph can
-            # outlive this call in a reference cycle, and must not hold x's storage then.
-            leaf = chunk.take(x, split.dim).detach().clone().requires_grad_(True)
-            skip.add(leaf.untyped_storage()._cdata)  # a chunk's input is a slice of x: no cost
-            out = module.forward_chunk(leaf, chunk)
+            # Copies, not views of the parts: under plan_memory's fake tensors the measured
+            # graph can outlive this call in a reference cycle, and must not hold the parts'
+            # storage then. A chunk's parts are slices of the parts kept anyway: no cost.
+            leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
+                      .detach().clone().requires_grad_(True) for p in parts]
+            skip.update(t.untyped_storage()._cdata for t in leaves)
+            out = _Joined(module, join, chunk)(*leaves)
         measured.append(sum(seen.values()) + out.numel() * out.element_size())
-        del out, leaf
+        del out, leaves
     _set_rng_state(state, x.device)  # the measurement drew nothing, as far as forward knows
     per_unit = measured[-1] - measured[0] if len(measured) == 2 else measured[0]
     costs[key] = (float(max(measured[0] - per_unit, 0)), float(max(per_unit, 1)))

@@ -184,6 +184,10 @@ class StreamFusion(nn.Module):
         return self.mlp(self.norm(x), chunk, dim=1)
 
 
+def _join_streams(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
+
+
 class RevSwinBlock(ReversibleBlock):
     """Reversible Swin block: F = LayerNorm + (shifted-)window attention, G = LayerNorm + MLP.
 
@@ -345,8 +349,12 @@ class RevSwinStage(nn.Module):
         # Handed to every block as stack keywords: the engine replays F with exactly these
         # masks when it recomputes in backward.
         x1, x2 = self.blocks(x, x, **self._masks(x.shape[1], x.shape[2], x.device))
-        x = torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
-        return maybe_checkpoint(self.fuse, x, self.grad_checkpointing, chunking)  # C if fused
+        if self.fuse is None:
+            return torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
+        # Joined inside the checkpoint: it keeps the two streams, which the stack keeps anyway,
+        # not their concatenation (B, H, W, 2C) beside them.
+        return maybe_checkpoint(self.fuse, (x1, x2), self.grad_checkpointing, chunking,
+                                join=_join_streams)  # (B, H, W, C)
 
 
 class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
