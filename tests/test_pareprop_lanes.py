@@ -346,7 +346,7 @@ def test_fallback_off_always_runs_pareprop(clock):
 
 
 @pytest.mark.parametrize("clock", [(10.0, 7.0)], indirect=True)
-def test_setting_the_engine_or_stored_blocks_measures_again(clock):
+def test_setting_the_engine_stored_blocks_or_dtype_measures_again(clock):
     model = Model(3, drop=0.0)
     x = torch.randn(2, 3, DIM)
     _steps(model, x, PASSES + 1)
@@ -355,6 +355,9 @@ def test_setting_the_engine_or_stored_blocks_measures_again(clock):
     assert pareprop.chosen_schedule(model) == "measuring"
     _steps(model, x, PASSES + 1)
     pareprop.set_engine(model, "pareprop")
+    assert pareprop.chosen_schedule(model) == "measuring"
+    _steps(model, x, PASSES + 1)
+    model.float()  # another dtype (or device)
     assert pareprop.chosen_schedule(model) == "measuring"
 
 

@@ -1453,6 +1453,10 @@ class ReversibleStack(nn.Module):
         self.engine = name
         return self
 
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        return super()._apply(fn, recurse)
+
     def store_blocks(self, indices: Iterable[int]) -> "ReversibleStack":
         """Keep the activations of the blocks at ``indices`` (negative counts from the end);
         recompute the others. Any subset works under every engine, with exact gradients; the
