@@ -204,7 +204,8 @@ def _fsdp_worker(rank, init_file, out):
     try:
         model = _fsdp_model().cuda()
         fsdp.shard(model)
-        x = _fsdp_batch()[rank::WORLD].cuda()
+        # A sharded stack under a reversible engine needs stream inputs that require grad.
+        x = _fsdp_batch()[rank::WORLD].cuda().requires_grad_(True)
         for _ in range(2):  # the second step reuses the pools the first one filled
             model.zero_grad(set_to_none=True)
             out_ = model(x)
