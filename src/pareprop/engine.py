@@ -394,18 +394,53 @@ def _couple(
     kwargs: Dict[str, Any],
     records: Optional[List[_BlockRecord]] = None,
     keep_inputs: bool = False,
+    chunked: Optional[Tuple["_Plan", int]] = None,
 ) -> Tuple[Tensor, Tensor]:
     beta = skip_scale(block)
     if records is None:
         y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
         return y1, _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     f_rng = _RngState.capture(x2.device)
-    y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
+    y1 = _add_branch(block, "f", x1, x2, beta, kwargs, chunked, f_rng)
     g_rng = _RngState.capture(x2.device)
-    y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
+    y2 = _add_branch(block, "g", x2, y1, beta, kwargs, chunked, g_rng)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
     records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
+
+
+# NOTE [ Chunked forward ]
+# A chunked stack (set_chunking) runs F and G chunk by chunk in forward too, into their sums
+# Y1 = beta X1 + F(X2) and Y2 = beta X2 + G(Y1), as backward rebuilds them: forward has no
+# graph to keep, but a whole branch's temporaries (G's hidden maps, four times a stream's
+# width, before and after the activation) on top of four streams set the peak of a step
+# whose backward is chunked (Rev-Swin-T's first stage). Each chunk starts from the branch's
+# generator state, as in backward, so the branch draws what it draws whole.
+def _add_branch(
+    block: ReversibleBlock,
+    name: str,
+    skip_in: Tensor,
+    x: Tensor,
+    beta: Optional[Tensor],
+    kwargs: Dict[str, Any],
+    chunked: Optional[Tuple["_Plan", int]],
+    rng: _RngState,
+) -> Tensor:
+    """``beta skip_in + branch(x)``; with ``chunked`` = (plan, block index), chunk by chunk
+    when the plan cuts the branch in several (NOTE [ Chunked forward ])."""
+    if chunked is not None:
+        plan, index = chunked
+        split, count = _branch_chunking(plan, index, name, x, rng)
+        rng.restore(plan.device)  # measuring a chunk's cost may have drawn
+        if count > 1:
+            out = skip_in.clone() if beta is None else _skip(beta, skip_in)
+            for chunk in chunks(split.size, count):
+                rng.restore(plan.device)
+                piece = _chunk_input(x, split, chunk).detach()  # a Function's forward: no graph
+                part = _call_checked(block, name, piece, kwargs, chunk)
+                _chunk_input(out, split, chunk).add_(part)
+            return out
+    return _skip(beta, skip_in) + _call_checked(block, name, x, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,7 +819,11 @@ def _chunk_cost(
 
         rng.restore(plan.device)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            leaf = _chunk_input(x, split, chunk).detach().requires_grad_(True)
+            # A copy, not a view of x: a memory tracker's hooks (plan_memory, memory_report)
+            # can keep the measured graph alive in a reference cycle, and it must not hold
+            # x's storage then; the copy is the chunk's input, a slice of x: no cost.
+            leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
+            skip.add(leaf.untyped_storage()._cdata)
             out = _call_checked(block, name, leaf, plan.kwargs, chunk)
         measured.append(sum(seen.values()) + out.numel() * out.element_size())
         del out, leaf
@@ -1341,7 +1380,9 @@ class _ReversibleFunction(torch.autograd.Function):
                 x2 = _skip(skip_scale(block), x2) + rebuilt.g_out.detach()
             else:
                 plan.graphs.append(None)
-                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
+                chunked = (plan, index) if plan.chunking is not None else None
+                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep,
+                                 chunked=chunked)
             if sharded:
                 plan.sharding.reshard_after_forward(index)
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)

@@ -180,9 +180,10 @@ def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
 
         chunk = Chunk(0, 2, 0, units, split.size)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # Copies, not views of the parts: under plan_memory's fake tensors the measured
-            # graph can outlive this call in a reference cycle, and must not hold the parts'
-            # storage then. A chunk's parts are slices of the parts kept anyway: no cost.
+            # Copies, not views of the parts: a memory tracker's hooks (plan_memory,
+            # memory_report) can keep the measured graph alive in a reference cycle, and it
+            # must not hold the parts' storage then. A chunk's parts are slices of the parts
+            # kept anyway: no cost.
             leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
                       .detach().clone().requires_grad_(True) for p in parts]
             skip.update(t.untyped_storage()._cdata for t in leaves)
