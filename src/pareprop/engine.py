@@ -411,6 +411,36 @@ def _couple(
 # ---------------------------------------------------------------------------------------------
 
 
+# NOTE [ Chunked forward ]
+# The forward of a chunked stack runs each branch chunk by chunk too, without a graph: its
+# whole-branch temporaries (a ViT-B MLP's two 4C-wide hidden maps, qkv and the attention
+# output) would otherwise set the step's peak once backward no longer does. Each chunk's
+# output is added into its slice of the block's output (Y1 = beta X1 + F(X2), then Y2 = beta
+# X2 + G(Y1)), a tensor the stack made. Randomness is drawn as in backward: the branch's
+# generator state is restored before every chunk, and each chunk takes its slice of the whole
+# draw (NOTE [ Exact randomness in chunks ]), so the generator ends where the whole branch
+# leaves it, and backward rebuilds exactly what forward computed, chunk for chunk.
+
+
+def _couple_chunked(
+    plan: "_Plan", index: int, x1: Tensor, x2: Tensor, keep_inputs: bool
+) -> Tuple[Tensor, Tensor]:
+    """``_couple`` of block ``index`` of a chunked stack, each branch in chunks."""
+    block = plan.blocks[index]
+    beta = skip_scale(block)
+    f_rng = _RngState.capture(x2.device)
+    split, count = _branch_chunking(plan, index, "f", x2, f_rng)
+    y1 = x1.clone() if beta is None else beta * x1
+    _run_chunks(plan, index, "f", x2, split, count, f_rng, add_into=y1)
+    g_rng = _RngState.capture(x2.device)
+    split, count = _branch_chunking(plan, index, "g", y1, g_rng)
+    y2 = x2.clone() if beta is None else beta * x2
+    _run_chunks(plan, index, "g", y1, split, count, g_rng, add_into=y2)
+    inputs = (x1.clone(), x2.clone()) if keep_inputs else None
+    plan.records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
+    return y1, y2
+
+
 @dataclass
 class _Plan:
     """Everything a stack's backward needs besides the saved outputs."""
@@ -762,21 +792,27 @@ def _chunk_cost(
         return plan.chunk_costs[key]
     block = plan.blocks[index]
     skip = {p.untyped_storage()._cdata for p in block.parameters()}
-    skip.add(x.untyped_storage()._cdata)
     measured = []
     for units in (1, 2) if split.size >= 2 else (1,):
         chunk = Chunk(0, 2, 0, units, split.size)
         seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
 
-        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> Tensor:
+        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> None:
             ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
             if ptr not in skip:
                 seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-            return t
+            # Nothing is kept: this graph is never backpropagated. Returning ``t`` would let a
+            # node hold its own output (attention saves it), a reference cycle that keeps the
+            # graph, and the stream it was cut from, alive until the garbage collector runs.
+            return None
 
         rng.restore(plan.device)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            leaf = _chunk_input(x, split, chunk).detach().requires_grad_(True)
+            # A copy of one or two units, not a view: tools that hook module inputs in forward
+            # (torch's ModTracker, inside plan_memory's MemTracker) keep a leaf they saw, and
+            # a view would keep the whole stream with it.
+            leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
+            skip.add(leaf.untyped_storage()._cdata)  # in the real chunk, a view of the stream
             out = _call_checked(block, name, leaf, plan.kwargs, chunk)
         measured.append(sum(seen.values()) + out.numel() * out.element_size())
         del out, leaf
@@ -801,13 +837,14 @@ def _run_chunks(
     count: int,
     rng: _RngState,
     subtract_from: Optional[Tensor] = None,
+    add_into: Optional[Tensor] = None,
     grad_out: Optional[Tensor] = None,
     grad_into: Optional[Tensor] = None,
     param_grads: Optional[List[Optional[Tensor]]] = None,
     sums: Optional[Set[int]] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
-    subtracted from ``subtract_from``; with ``grad_out`` each chunk is backpropagated at once,
+    subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk is backpropagated at once,
     its input gradient added into ``grad_into`` and its parameter gradients into
     ``param_grads``, and its graph freed before the next chunk."""
     block = plan.blocks[index]
@@ -826,6 +863,9 @@ def _run_chunks(
             if subtract_from is not None:
                 with torch.no_grad():
                     _chunk_input(subtract_from, split, chunk).sub_(out)
+            if add_into is not None:
+                with torch.no_grad():
+                    _chunk_input(add_into, split, chunk).add_(out)
             if grad_out is None:
                 continue
             part = _chunk_input(grad_out, split, chunk)
@@ -945,23 +985,37 @@ def _grads_chunked(
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
 ) -> Tuple[Tensor, Tensor]:
-    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated."""
+    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated.
+    Below the top block the gradients are rebuilt in place, as under "reversible"."""
     if plan.sharding is not None:
         param_grads = [None] * len(plan.block_params[index])
     record, sums = plan.records[index], set()
     beta = _plan_beta(plan, index)
-    dy1_total, dx2 = dy1.clone(), _skip_(beta, dy2.clone())
+    owned = _owns_gradients(plan, index)
+    dy1_total = dy1 if owned else dy1.clone()
     with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
             _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
-        _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
+        y1, rebuilt.y1 = rebuilt.y1, None  # G's input; freed once G is done
+        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
+        _run_chunks(plan, index, "g", y1, split, count, record.g_rng,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        del y1
+        dx2 = _skip_(beta, dy2 if owned else dy2.clone())  # G has read dY2
         split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
         _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
                     grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
-    return _skip(beta, dy1_total), dx2
+    return _skip_(beta, dy1_total), dx2
+
+
+def _owns_gradients(plan: _Plan, index: int) -> bool:
+    """Whether the gradients flowing into block ``index`` are the engine's own, to rebuild in
+    place: they are when the block above ran chunked (its gradients are written into copies
+    or into what it received), not when they come from autograd (the top block) or from a
+    stored block's whole-branch grads, which may hand back what it was given."""
+    above = index + 1
+    return above < len(plan.blocks) and plan.chunking is not None and not plan.stored[above]
 
 
 def _skip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
@@ -1116,10 +1170,10 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
 
 
-def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
+def _backward_pareprop(plan, streams, dy1, dy2, param_grads):
     lanes = _Lanes(plan.device, parallel=True, stored=plan.stored)
     try:
-        dy1, dy2 = _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads)
+        dy1, dy2 = _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads)
     finally:  # the main stream must not run ahead of the side streams, even after an error
         lanes.join()
     for t in (dy1, dy2, *param_grads):
@@ -1127,12 +1181,15 @@ def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
     return dy1, dy2
 
 
-def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
+def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
+    # ``streams`` (the stack's outputs) is emptied once the top block is recovered: a chunked
+    # stack holds them nowhere else, so they are freed once nothing reads them.
     last = len(plan.blocks) - 1
-    for t in (y1, y2, dy1, dy2):
+    for t in (*streams, dy1, dy2):
         lanes.from_main(t, last)
     with lanes.run_on(last):
-        rebuilt = _recover(plan, last, y1, y2)
+        rebuilt = _recover(plan, last, *streams)
+    streams.clear()
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
@@ -1200,6 +1257,9 @@ class _ReversibleFunction(torch.autograd.Function):
                 plan.records.append(_BlockRecord(None, None))
                 x1 = rebuilt.y1.detach()
                 x2 = _skip(skip_scale(block), x2) + rebuilt.g_out.detach()
+            elif plan.chunking is not None:  # NOTE [ Chunked forward ]
+                plan.graphs.append(None)
+                x1, x2 = _couple_chunked(plan, index, x1, x2, keep)
             else:
                 plan.graphs.append(None)
                 x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
@@ -1234,7 +1294,7 @@ class _ReversibleFunction(torch.autograd.Function):
         entry = _RngState.capture(plan.device)
         try:
             if plan.engine == "pareprop":
-                dx1, dx2 = _backward_pareprop(plan, *streams, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_pareprop(plan, streams, dy1, dy2, param_grads)
             else:
                 dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
