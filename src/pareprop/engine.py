@@ -481,6 +481,9 @@ class _Plan:
     # them, and their versions at forward.
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
+    # PaReprop with chunks: the block whose X1 the next recover rebuilds (its Y1 is handed
+    # down in X1's place; NOTE [ Chunked backward ]).
+    pending_x1: Optional[int] = None
 
 
 @dataclass
@@ -958,23 +961,47 @@ def _block_chunked(
 
 
 def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
-    """PaReprop's recover of a chunked block: X2 and X1 without a graph, chunk by chunk."""
-    record = plan.records[index]
+    """PaReprop's recover of a chunked block, without a graph, chunk by chunk, half a block
+    late (NOTE [ Chunked backward ]): first X1 of the block above, if it was left pending
+    (``y1`` is then that block's Y1), then this block's X2; its X1 is left pending."""
+    above = index + 1
+    if plan.pending_x1 == above:  # y1 is block above's Y1, y2 its rebuilt X2
+        y1 = _rebuild_input(plan, above, "f", y2, y1.clone())  # X1 above = Y1 here
+        plan.pending_x1 = None
+        _check_pending(plan, above, y1, y2)
     plan.keywords.check(index, plan.blocks[index])
-    beta = _plan_beta(plan, index)
+    x2 = _rebuild_input(plan, index, "g", y1, y2.clone())
+    # FSDP gathers at most this block and the one above; below a stored block nothing reads
+    # this block's X1 (the stored block kept its inputs); the bottom block's X1 is the stack's
+    # input, which nothing reads either. So X1 is left pending only where the next recover
+    # finishes it, and otherwise rebuilt now (sharded) or never (debug checks aside).
+    if plan.sharding is not None:
+        x1 = _rebuild_input(plan, index, "f", x2, y1.clone())
+        _check_pending(plan, index, x1, x2)
+        return _Rebuilt(y1, None, x2, None, x1)
+    if index > 0 and not plan.stored[index - 1]:
+        plan.pending_x1 = index
+    elif plan.records[index].inputs is not None:  # debug_reconstruction: check X1 all the same
+        _check_pending(plan, index, _rebuild_input(plan, index, "f", x2, y1.clone()), x2)
+    return _Rebuilt(y1, None, x2, None, y1)
+
+
+def _rebuild_input(plan: _Plan, index: int, name: str, x: Tensor, into: Tensor) -> Tensor:
+    """``into = (into - branch(x)) / beta`` for branch ``name`` of block ``index``, chunk by
+    chunk and without a graph: X2 from Y2 (branch G of Y1), X1 from Y1 (branch F of X2)."""
+    record = plan.records[index]
+    rng = record.f_rng if name == "f" else record.g_rng
     with torch.no_grad(), plan.autocast.replay(), plan.backends.replay(), \
             record.modes.replay(), _forward_parameters(plan, index):
-        x2 = y2.clone()
-        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
-        _run_chunks(plan, index, "g", y1, split, count, record.g_rng, subtract_from=x2)
-        _unskip_(beta, x2)
-        x1 = y1.clone()
-        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
-        _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1)
-        _unskip_(beta, x1)
-    if record.inputs is not None:
-        _check_reconstruction(plan, index, (x1, x2), record.inputs)
-    return _Rebuilt(y1, None, x2, None, x1)
+        split, count = _branch_chunking(plan, index, name, x, rng)
+        _run_chunks(plan, index, name, x, split, count, rng, subtract_from=into)
+    return _unskip_(_plan_beta(plan, index), into)
+
+
+def _check_pending(plan: _Plan, index: int, x1: Tensor, x2: Tensor) -> None:
+    inputs = plan.records[index].inputs
+    if inputs is not None:
+        _check_reconstruction(plan, index, (x1, x2), inputs)
 
 
 def _grads_chunked(
@@ -996,6 +1023,8 @@ def _grads_chunked(
     with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
             _forward_parameters(plan, index):
         y1, rebuilt.y1 = rebuilt.y1, None  # G's input; freed once G is done
+        if rebuilt.x1 is y1:  # X1 pending: the recover of the block below has finished it
+            rebuilt.x1 = None
         split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
         _run_chunks(plan, index, "g", y1, split, count, record.g_rng,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
