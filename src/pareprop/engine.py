@@ -759,11 +759,23 @@ def _grads(
 # backward returns: a block's backward holds two streams, their two gradients, those two, and
 # one chunk's graph with its gradients.
 #
-# Under "pareprop", recover(l-1) runs before grads(l) (NOTE [ PaReprop on two CUDA streams ]),
-# and grads(l) reads block l's Y1 and X2. So recover rebuilds X1 and X2 chunk by chunk without
-# a graph, into new tensors, and grads rebuilds each chunk's graph again to backpropagate
-# through it: one more forward of the block than without chunking, in exchange for not
-# holding two blocks' whole graphs. Stored blocks keep their whole graphs from forward.
+# Under "pareprop", recover(l-1) runs beside grads(l) (NOTE [ PaReprop on two CUDA streams ]),
+# and grads(l) reads block l's Y1 (G's input) and X2 (F's input), so recover cannot rebuild in
+# their storage. It rebuilds without a graph, chunk by chunk, into new maps, and grads rebuilds
+# each chunk's graph again to backpropagate through it: one more forward of the block than
+# without chunks, in exchange for not holding two blocks' whole graphs. To hold as few maps
+# as the overlap allows, recover runs half a block late: recover(l-1) rebuilds X1 of block l
+# (= Y1 - F(X2), block l's F) and then X2 of block l-1 (Y2 - G(Y1) with Y1, Y2 of block l-1
+# being X1, X2 of block l), both independent of grads(l). Block l's X1 is not needed before:
+# grads(l) reads Y1 and X2, and only block l-1 reads X1 (as its Y1). So while grads(l) runs,
+# four stream maps are alive: block l's Y1 and X2, and the two new ones; grads(l) drops Y1 once
+# G is done. "Reversible" holds two. The bottom block's X1 (the stack's input) is never
+# rebuilt, nor that of a block below which a stored block sits (the stored block kept its
+# inputs), except for debug_reconstruction's check; under FSDP, where only a block and the one
+# above are gathered at a time, each recover rebuilds its own X1. The gradients are rebuilt in
+# place below the top block, as under "reversible" (the block above, chunked, handed down
+# its own tensors), and the stack's outputs are released once the top block is recovered.
+# Stored blocks keep their whole graphs from forward.
 
 
 def _branch_chunking(
@@ -847,9 +859,9 @@ def _run_chunks(
     sums: Optional[Set[int]] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
-    subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk is backpropagated at once,
-    its input gradient added into ``grad_into`` and its parameter gradients into
-    ``param_grads``, and its graph freed before the next chunk."""
+    subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk
+    is backpropagated at once, its input gradient added into ``grad_into`` and its parameter
+    gradients into ``param_grads``, and its graph freed before the next chunk."""
     block = plan.blocks[index]
     owned = plan.block_params[index]
     params = [p for _, p in owned]
