@@ -427,18 +427,26 @@ def _couple_chunked(
 ) -> Tuple[Tensor, Tensor]:
     """``_couple`` of block ``index`` of a chunked stack, each branch in chunks."""
     block = plan.blocks[index]
-    beta = skip_scale(block)
     f_rng = _RngState.capture(x2.device)
-    split, count = _branch_chunking(plan, index, "f", x2, f_rng)
-    y1 = x1.clone() if beta is None else beta * x1
-    _run_chunks(plan, index, "f", x2, split, count, f_rng, add_into=y1)
+    y1 = _add_branch(plan, index, "f", x2, x1, f_rng)
     g_rng = _RngState.capture(x2.device)
-    split, count = _branch_chunking(plan, index, "g", y1, g_rng)
-    y2 = x2.clone() if beta is None else beta * x2
-    _run_chunks(plan, index, "g", y1, split, count, g_rng, add_into=y2)
+    y2 = _add_branch(plan, index, "g", y1, x2, g_rng)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
     plan.records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
+
+
+def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
+                rng: _RngState) -> Tensor:
+    """``beta * skip + branch(x)`` in forward, in chunks where the branch has more than one."""
+    block = plan.blocks[index]
+    beta = skip_scale(block)
+    split, count = _branch_chunking(plan, index, name, x, rng)
+    if split is None or count == 1:  # as _couple does it
+        return _skip(beta, skip) + _call_checked(block, name, x, plan.kwargs)
+    out = skip.clone() if beta is None else beta * skip
+    _run_chunks(plan, index, name, x, split, count, rng, add_into=out)
+    return out
 
 
 @dataclass
