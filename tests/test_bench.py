@@ -139,6 +139,8 @@ def test_cli_end_to_end_writes_json_csv_pngs(tmp_path, capsys):
         assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] >= 0
         assert r["peak_mem_kind"] == "cpu_rss_growth"
         assert r["peak_reserved_bytes"] is None  # CUDA only
+        assert r["alloc_retries"] is None  # CUDA only
+        assert r["schedule"] == ("pareprop" if r["engine"] == "pareprop" else None)
         # plan_memory's prediction of the same step: at least the parameters and AdamW state.
         assert isinstance(r["planned_peak_bytes"], int)
         assert r["planned_peak_bytes"] >= 4 * 4 * r["params"]

@@ -225,7 +225,7 @@ class LeanSlowBlock(pareprop.ReversibleBlock):
 
 def _backward_peaks(stack, x, w, engine):
     """Growth of reserved and allocated memory during one backward, after a warm-up step."""
-    stack.set_engine(engine)
+    stack.set_engine(engine, fallback=False)  # PaReprop itself, not its fallback to Reprop
     for _ in range(2):  # a warm-up step, then the measured one
         stack.zero_grad(set_to_none=True)
         y1, y2 = stack(x, x)
@@ -273,8 +273,8 @@ def test_pareprop_reserves_at_most_two_rebuilt_graphs_more_than_reversible():
 @pytest.mark.skipif(UNDER_SANITIZER, reason="timing says nothing under the sanitizer")
 def test_pareprop_runs_recovery_and_gradients_concurrently(tmp_path):
     depth = 6
-    stack = pareprop.ReversibleStack([SleepyBlock(64, 0.0) for _ in range(depth)], "pareprop")
-    stack.cuda()
+    stack = pareprop.ReversibleStack([SleepyBlock(64, 0.0) for _ in range(depth)])
+    stack.set_engine("pareprop", fallback=False).cuda()
     x = torch.randn(4, 8, 64, device="cuda")
 
     def step():
@@ -292,7 +292,7 @@ def test_pareprop_runs_recovery_and_gradients_concurrently(tmp_path):
     prof.export_chrome_trace(str(trace))
     by_stream = _kernel_intervals(trace)
     streams = sorted(by_stream)
-    assert len(streams) >= 3, f"expected the default stream and two side streams, got {streams}"
+    assert len(streams) >= 2, f"expected the main stream and the side stream, got {streams}"
     overlap = max(
         _overlap_us(by_stream[a], by_stream[b]) for a in streams for b in streams if a < b
     )
@@ -305,14 +305,20 @@ def test_pareprop_runs_recovery_and_gradients_concurrently(tmp_path):
     )
 
 
-def test_host_does_not_wait_inside_backward():
-    model = Model(4, 64, engine="pareprop").cuda()
+@pytest.mark.parametrize("fallback", [False, True])
+def test_host_does_not_wait_inside_backward(fallback):
+    # With the fallback on, the passes that time PaReprop against Reprop (CUDA events, the
+    # allocator's counters, Event.query) must not wait either.
+    model = Model(4, 64).cuda()
+    pareprop.set_engine(model, "pareprop", fallback=fallback)
     x = torch.randn(4, 8, 64, device="cuda")
     model(x).sum().backward()  # warm-up
-    loss = model(x).sum()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
-    try:
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
+    passes = 10 if fallback else 1  # every measuring pass, and the one that decides
+    for _ in range(passes):
+        loss = model(x).sum()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)

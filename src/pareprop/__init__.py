@@ -9,6 +9,7 @@ from pareprop.engine import (
     ENGINES,
     ReversibleBlock,
     ReversibleStack,
+    chosen_schedule,
     debug_reconstruction,
     set_chunking,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleStack",
     "set_engine",
+    "chosen_schedule",
     "set_chunking",
     "compile_blocks",
     "uncompile_blocks",

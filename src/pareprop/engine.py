@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import (
@@ -41,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from pareprop.chunking import Chunk, Chunking, Split, chunks, parse_chunking
+from pareprop.schedule import ScheduleChoice
 
 __all__ = [
     "ENGINES",
@@ -49,6 +51,7 @@ __all__ = [
     "set_engine",
     "set_chunking",
     "debug_reconstruction",
+    "chosen_schedule",
 ]
 
 ENGINES = ("autograd", "reversible", "pareprop")
@@ -492,6 +495,8 @@ class _Plan:
     # PaReprop with chunks: the block whose X1 the next recover rebuilds (its Y1 is handed
     # down in X1's place; NOTE [ Chunked backward ]).
     pending_x1: Optional[int] = None
+    # Under "pareprop": the stack's choice between PaReprop and Reprop (pareprop/schedule.py).
+    schedule: Optional[ScheduleChoice] = None
 
 
 @dataclass
@@ -1042,13 +1047,11 @@ def _grads_chunked(
     dy1_total = dy1 if owned else dy1.clone()
     with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
             _forward_parameters(plan, index):
-        y1, rebuilt.y1 = rebuilt.y1, None  # G's input; freed once G is done
-        if rebuilt.x1 is y1:  # X1 pending: the recover of the block below has finished it
-            rebuilt.x1 = None
-        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
-        _run_chunks(plan, index, "g", y1, split, count, record.g_rng,
+        # G's input Y1 stays until grads returns: recover(l-1), queued before, may still be
+        # reading it on the other lane (NOTE [ Tensor lifetimes across streams ]).
+        split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
+        _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
-        del y1
         dx2 = _skip_(beta, dy2 if owned else dy2.clone())  # G has read dY2
         split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
         _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
@@ -1082,11 +1085,24 @@ def _unskip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
 # (from grads(l+1)) and block l's rebuilt graphs. So after recover(L), each step l runs
 # recover(l-1) and grads(l) at once. Block l's recover and grads share one stream (autograd
 # runs a backward kernel on the stream of its forward kernel, so the rebuilt graph fixes it),
-# and neighbouring blocks alternate between two streams; a stored block's graph was built on
-# the main stream in forward, so its gradients run there. Cross-stream dependencies are device
-# events; the host never waits. On the CPU the same schedule runs in program order: the
-# bookkeeping (which block recovers, which computes gradients, where each gradient goes, two
-# rebuilt graphs alive at once) is the same code, tested without a GPU.
+# and neighbouring blocks alternate between two lanes: the main stream (the one backward was
+# called on, where forward ran) and one side stream. A stored block's graph was built on the
+# main stream in forward, so it runs there; the recomputed blocks alternate around the stored
+# ones (_block_lanes), so two neighbours share a lane only where both are stored, or in a run
+# of recomputed blocks of even length between two stored ones. Neighbours on one lane simply
+# run one after the other: no overlap there, and stream order is all the ordering they need.
+# Cross-stream dependencies are device events; the host never waits. On the CPU the same
+# schedule runs in program order: the bookkeeping (which block recovers, which computes
+# gradients, where each gradient goes, which lane each step would run on, two rebuilt graphs
+# alive at once) is the same code, tested without a GPU.
+#
+# Why the main stream is a lane. The caching allocator keeps one pool per stream, and memory
+# freed on one stream's pool is not handed to another. Forward filled the main stream's pool,
+# so two side streams would leave it idle through backward while each side stream grows its
+# own: near capacity, the allocator would have to free its cache with a device sync and try
+# again (``num_alloc_retries``) in every step. With the main stream as one lane, half the
+# blocks allocate from the pool forward already filled, and the allocator has two pools, not
+# three.
 #
 # NOTE [ Tensor lifetimes across streams ]
 # The caching allocator hands a freed block back to the stream that allocated it at once. A
@@ -1094,57 +1110,139 @@ def _unskip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
 # that reader is done. record_stream prevents that, but only by holding the memory until the
 # reader's work at free time has run on the device; when the host queues the whole backward
 # ahead of the GPU, that is every block's X and dY, and reserved memory grows with depth. So
-# between blocks we order lifetimes by events instead. Every hand-off between blocks goes from
-# a block's stream to the next block's, and the schedule already makes the giving stream wait
-# for the taking stream's work before it allocates again:
-#   * X of block l (made by recover(l)) is read by recover(l-1); it is freed after grads(l) is
-#     queued, and the next work on l's stream is recover(l-2) or grads(l-1)'s successor, both
-#     queued after waiting on recover(l-1)'s or grads(l-1)'s event;
-#   * dY of block l (made by grads(l)) is read by grads(l-1); it is freed once grads(l-1) is
-#     queued, and the next work queued on l's stream after that is grads(l-2), which waits on
-#     grads(l-1)'s event (recover(l-2) was queued before the free);
-#   * a parameter's running gradient sum moves down the blocks the same way as dY.
-# record_stream stays where no such order exists: the tensors that arrive from autograd's
-# stream (the saved outputs and dY) and those handed back to it (dX and parameter gradients),
-# whose last reader is autograd's own later work. That is a constant number of tensors per
-# stack, not per block.
+# between blocks we order lifetimes by events instead. Block l hands block l-1 its rebuilt X
+# (read by recover(l-1), and by grads(l-1) through the graph recover(l-1) builds on it), its dY
+# and the running parameter-gradient sums (read by grads(l-1)). Each is freed on the host after
+# its last reader is queued. Two chains of events order everything queued after that:
+#   * recover(k) waits for recover(k+1) (it needs its X) and for grads(k+2), the previous
+#     step's gradients: a step starts when the step before it is done;
+#   * grads(k) waits for grads(k+1) (it needs its dY) and runs after recover(k) on its lane.
+# So every recover and grads queued after a free is ordered after the readers of the block
+# above, whichever lanes the blocks are on: recover(k <= l-3) through the first chain (it
+# waits for grads(l-1), which follows recover(l-1) on its lane), recover(l-2) and grads(k <=
+# l-2) directly, and grads(l-1) is a reader itself, after recover(l-1) on the same lane. Where
+# neighbours alternate strictly, the wait for grads(k+2) is on recover(k)'s own lane and costs
+# nothing; where they do not (stored blocks), it is what keeps a lane from refilling memory the
+# other lane still reads. The same holds for the FSDP prefetch (NOTE [ FSDP prefetch on the
+# waiting lane ] in pareprop/fsdp.py).
+# record_stream stays where no such order exists: the tensors that arrive from the main stream
+# (the saved outputs and dY) when the top block runs on the side stream, and those handed back
+# to it (dX and parameter gradients), whose last reader is autograd's own later work. That is
+# a constant number of tensors per stack, not per block.
+#
+# NOTE [ Parameter aliases on the lanes ]
+# A parameter of a stack is an input of the engine's autograd Function, so its gradient
+# accumulation node (AccumulateGrad) is made on the main stream when forward calls the
+# Function, and the Function keeps it alive through backward. Recomputation on the side stream
+# would build graphs that end in that node: autograd.grad then captures each parameter gradient
+# at a node of another stream, and autograd (torch >= 2.9) warns once ("The AccumulateGrad
+# node's stream does not match the stream of the node that produced the incoming gradient").
+# The warning is the small part. For each such gradient autograd makes the main stream wait for
+# the side stream, and at the end of autograd.grad the side stream wait for the main stream
+# (the node's stream is a "leaf stream" of the call); with the main stream as a lane, that
+# would make grads(l) on the side stream wait for recover(l-1), queued just before it on the
+# main stream: no overlap at all. So every recomputed block rebuilds its graphs with aliases of
+# its parameters (``p.detach().requires_grad_()``: same storage and version counter, a new
+# leaf whose AccumulateGrad is made on the lane where recover builds the graph) and
+# differentiates with respect to them; the engine sums their gradients by parameter slot as
+# before and hands them back once, as the Function's gradients, on the main stream. No
+# autograd node sees two streams, so the warning cannot arise and autograd adds no waits.
+# Stored blocks keep the real parameters (their graphs are the forward's, on the main stream),
+# and so do sharded blocks, whose parameters are no inputs of the Function: their
+# AccumulateGrad nodes are made in recomputation, on the block's lane.
 
-_SIDE_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+MAIN_LANE, SIDE_LANE = 0, 1
 
 
-def _side_streams(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:  # created when first needed, never at import
-        _SIDE_STREAMS[index] = (
-            torch.cuda.Stream(device=index),
-            torch.cuda.Stream(device=index),
-        )
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
 
 
-class _Lanes:
-    """Each block's stream: two side streams that alternate, or the main stream for a stored
-    block; program order on the CPU."""
+def _block_lanes(stored: Sequence[bool]) -> List[int]:
+    """Each block's lane: a stored block on the main lane, the recomputed ones alternating
+    around them (the side lane next to a stored block), the top block on the main lane when
+    no stored block is above it."""
+    depth = len(stored)
+    lanes = [MAIN_LANE] * depth
+    index = depth - 1
+    while index >= 0:
+        if stored[index]:
+            index -= 1
+            continue
+        top = index
+        while index >= 0 and not stored[index]:
+            index -= 1
+        bottom = index + 1  # blocks bottom..top are recomputed
+        if bottom > 0:  # a stored block below: alternate upwards from it
+            for i in range(bottom, top + 1):
+                lanes[i] = SIDE_LANE if (i - bottom) % 2 == 0 else MAIN_LANE
+        else:  # alternate downwards from the top of the run
+            first = SIDE_LANE if top < depth - 1 else MAIN_LANE
+            for i in range(top, -1, -1):
+                lanes[i] = first if (top - i) % 2 == 0 else 1 - first
+    return lanes
 
-    def __init__(self, device: torch.device, parallel: bool, stored: Sequence[bool] = ()):
-        self.enabled = parallel and device.type == "cuda"
+
+_CURRENT = threading.local()
+
+
+def current_lane() -> Optional[int]:
+    """The lane (MAIN_LANE or SIDE_LANE) whose work PaReprop's backward is queueing now, on
+    this thread; None outside a block's step. Kept on the CPU too, where both lanes run in
+    program order, so tests can check which lane each piece of work is queued on."""
+    return getattr(_CURRENT, "lane", None)
+
+
+class _Lanes:
+    """Each block's lane (_block_lanes) and the stream behind it: the main stream, or the side
+    stream on CUDA; program order on the CPU, where only the lane ids are kept."""
+
+    def __init__(self, device: torch.device, stored: Sequence[bool]):
+        self.lanes = _block_lanes(stored)
+        self.enabled = device.type == "cuda"
         if not self.enabled:
             return
-        self.main = torch.cuda.current_stream(device)
-        self.streams = _side_streams(device)
-        self.stored = stored
-        for stream in self.streams:  # inputs of backward come from the main stream
-            stream.wait_stream(self.main)
+        main = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        side.wait_stream(main)  # inputs of backward come from the main stream
+        self.streams = (main, side)
+
+    def lane(self, block_index: int) -> int:
+        return self.lanes[block_index]
 
     def _stream(self, block_index: int) -> "torch.cuda.Stream":
-        if block_index < len(self.stored) and self.stored[block_index]:
-            return self.main
-        return self.streams[block_index % 2]
+        return self.streams[self.lanes[block_index]]
 
-    def run_on(self, block_index: int) -> contextlib.AbstractContextManager:
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream(block_index))
+    @contextlib.contextmanager
+    def run_on(self, block_index: int) -> Iterator[None]:
+        previous = current_lane()
+        _CURRENT.lane = self.lanes[block_index]
+        try:
+            if self.enabled:
+                with torch.cuda.stream(self._stream(block_index)):
+                    yield
+            else:
+                yield
+        finally:
+            _CURRENT.lane = previous
+
+    @contextlib.contextmanager
+    def prefetch_on(self, block_index: int) -> Iterator[None]:
+        """Work for block ``block_index`` queued ahead of its step, from the current lane (the
+        FSDP prefetch): its stream first waits for the current stream, so what it allocates
+        is ordered like the current step's own allocations."""
+        if self.enabled:
+            stream = self._stream(block_index)
+            current = torch.cuda.current_stream(stream.device)
+            if current != stream:
+                stream.wait_stream(current)
+        with self.run_on(block_index):
+            yield
 
     def mark(self, block_index: int) -> Optional["torch.cuda.Event"]:
         """An event at the current end of the block's stream."""
@@ -1158,18 +1256,46 @@ class _Lanes:
 
     def from_main(self, tensor: Optional[Tensor], block_index: int) -> None:
         """``tensor`` came from the main stream and is read on block_index's stream."""
-        if self.enabled and tensor is not None:
+        if self.enabled and tensor is not None and self.lanes[block_index] != MAIN_LANE:
             tensor.record_stream(self._stream(block_index))
 
     def to_main(self, tensor: Optional[Tensor]) -> None:
-        """``tensor`` goes back to autograd, which reads it on the main stream."""
+        """``tensor`` goes back to autograd, which reads it on the main stream (a tensor made
+        there is left alone by the allocator)."""
         if self.enabled and tensor is not None:
-            tensor.record_stream(self.main)
+            tensor.record_stream(self.streams[MAIN_LANE])
 
     def join(self) -> None:
         if self.enabled:
-            for stream in self.streams:
-                self.main.wait_stream(stream)
+            self.streams[MAIN_LANE].wait_stream(self.streams[SIDE_LANE])
+
+
+def _param_aliases(plan: _Plan, index: int) -> Optional[Dict[int, Tensor]]:
+    """Block ``index``'s trainable parameters by id -> an alias that is a new leaf; None for a
+    stored or sharded block (NOTE [ Parameter aliases on the lanes ])."""
+    if plan.stored[index] or plan.sharding is not None:
+        return None
+    return {id(p): p.detach().requires_grad_(True) for _, p in plan.block_params[index]}
+
+
+@contextlib.contextmanager
+def _aliased(plan: _Plan, index: int, aliases: Optional[Dict[int, Tensor]]) -> Iterator[None]:
+    """Block ``index`` recomputed and differentiated with ``aliases`` for its parameters:
+    recomputation swaps them into the modules (_forward_parameters), grads differentiates with
+    respect to them, and their gradients keep the parameters' slots."""
+    if aliases is None:
+        yield
+        return
+    params, locations = plan.block_params[index], plan.block_locations[index]
+    plan.block_params[index] = [(slot, aliases[id(p)]) for slot, p in params]
+    plan.block_locations[index] = [
+        _ParamLocation(loc.module, loc.name, aliases.get(id(loc.tensor), loc.tensor), loc.version)
+        for loc in locations
+    ]
+    try:
+        yield
+    finally:
+        plan.block_params[index], plan.block_locations[index] = params, locations
 
 
 def _add_param_grads(
@@ -1220,44 +1346,52 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _backward_pareprop(plan, streams, dy1, dy2, param_grads):
-    lanes = _Lanes(plan.device, parallel=True, stored=plan.stored)
+    lanes = _Lanes(plan.device, plan.stored)
+    prefetch = None
+    if plan.sharding is not None:  # NOTE [ FSDP prefetch on the waiting lane ] (pareprop/fsdp.py)
+        prefetch, plan.sharding.prefetch_on = plan.sharding.prefetch_on, lanes.prefetch_on
     try:
         dy1, dy2 = _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads)
-    finally:  # the main stream must not run ahead of the side streams, even after an error
+    finally:  # the main stream must not run ahead of the side stream, even after an error
         lanes.join()
+        if plan.sharding is not None:
+            plan.sharding.prefetch_on = prefetch
     for t in (dy1, dy2, *param_grads):
         lanes.to_main(t)
     return dy1, dy2
 
 
 def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
-    # ``streams`` (the stack's outputs) is emptied once the top block is recovered: a chunked
-    # stack holds them nowhere else, so they are freed once nothing reads them.
+    # See NOTE [ Tensor lifetimes across streams ] for the two chains of events. ``streams``
+    # (the stack's outputs) is emptied once the top block is recovered: a chunked stack holds
+    # them nowhere else, so they are freed once nothing reads them.
     last = len(plan.blocks) - 1
     for t in (*streams, dy1, dy2):
         lanes.from_main(t, last)
-    with lanes.run_on(last):
+    aliases = _param_aliases(plan, last)
+    with lanes.run_on(last), _aliased(plan, last, aliases):
         rebuilt = _recover(plan, last, *streams)
     streams.clear()
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
-        # recover(index-1) on its stream, after recover(index). Its inputs were made on
-        # index's stream; see NOTE [ Tensor lifetimes across streams ].
+        # recover(index-1) after recover(index) and grads(index+1).
         x1, x2 = rebuilt.x1, _detached(rebuilt.x2)
         lanes.wait(index - 1, recovered)
-        with lanes.run_on(index - 1):
+        lanes.wait(index - 1, grads_done)
+        below = _param_aliases(plan, index - 1)
+        with lanes.run_on(index - 1), _aliased(plan, index - 1, below):
             previous = _recover(plan, index - 1, x1, x2)
         del x1, x2
         recovered = lanes.mark(index - 1)
-        # grads(index) on this block's stream, after grads(index+1).
+        # grads(index) on this block's lane, after grads(index+1).
         lanes.wait(index, grads_done)
-        with lanes.run_on(index):
+        with lanes.run_on(index), _aliased(plan, index, aliases):
             dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
         grads_done = lanes.mark(index)
-        rebuilt = previous  # block index's graph is released here: two alive at most
+        rebuilt, aliases = previous, below  # block index's graph is released: two alive at most
     lanes.wait(0, grads_done)
-    with lanes.run_on(0):
+    with lanes.run_on(0), _aliased(plan, 0, aliases):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
 
 
@@ -1341,13 +1475,19 @@ class _ReversibleFunction(torch.autograd.Function):
         streams = _take_outputs(plan) if plan.output_versions else list(saved or (None, None))
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
         entry = _RngState.capture(plan.device)
+        schedule, trial = "reversible", None
+        if plan.engine == "pareprop":
+            schedule, trial = (("pareprop", None) if plan.schedule is None
+                               else plan.schedule.begin(plan.device))
         try:
-            if plan.engine == "pareprop":
+            if schedule == "pareprop":
                 dx1, dx2 = _backward_pareprop(plan, streams, dy1, dy2, param_grads)
             else:
                 dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
             entry.restore(plan.device)
+            if trial is not None:
+                plan.schedule.end(trial)
         return (None, dx1, dx2, *param_grads)
 
 
@@ -1384,6 +1524,9 @@ class ReversibleStack(nn.Module):
                     "subclass that defines f and g"
                 )
         self.engine = "autograd"
+        # Under "pareprop": PaReprop or Reprop, measured on the first backward passes.
+        self._schedule = ScheduleChoice(
+            f"a ReversibleStack of {len(self.blocks)} {type(self.blocks[0]).__name__} blocks")
         self.set_engine(engine)
         self._debug_tolerance: Optional[float] = None
         self.last_reconstruction_errors: List[Tuple[float, float]] = []
@@ -1397,8 +1540,15 @@ class ReversibleStack(nn.Module):
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
 
-    def set_engine(self, name: str) -> "ReversibleStack":
+    def set_engine(self, name: str, fallback: Optional[bool] = None) -> "ReversibleStack":
+        """Run backward with engine ``name``. Under ``"pareprop"`` the stack measures PaReprop
+        against Reprop on its first backward passes on a GPU and keeps the faster
+        (:func:`chosen_schedule`); ``fallback=False`` always runs PaReprop, True measures
+        again, None (the default) keeps the setting. Setting an engine measures again."""
         _check_engine(name)
+        if fallback is not None:
+            self._schedule.enabled = bool(fallback)
+        self._schedule.reset()
         if name != "autograd":
             found = _running_stat_modules(self.blocks)
             if found:
@@ -1409,6 +1559,10 @@ class ReversibleStack(nn.Module):
                 )
         self.engine = name
         return self
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        return super()._apply(fn, recurse)
 
     def store_blocks(self, indices: Iterable[int]) -> "ReversibleStack":
         """Keep the activations of the blocks at ``indices`` (negative counts from the end);
@@ -1424,6 +1578,8 @@ class ReversibleStack(nn.Module):
             if not -depth <= i < depth:
                 raise IndexError(f"block index {i} out of range for a stack of {depth} blocks")
             chosen.add(i % depth)
+        if tuple(sorted(chosen)) != getattr(self, "stored_blocks", ()):
+            self._schedule.reset()  # stored blocks change what PaReprop overlaps
         self.stored_blocks = tuple(sorted(chosen))
         return self
 
@@ -1500,6 +1656,7 @@ class ReversibleStack(nn.Module):
             sharding=self._sharding,
             chunking=self.chunking,
             chunk_costs=self._chunk_costs,
+            schedule=self._schedule,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
         self.last_reconstruction_errors = plan.reconstruction_errors
@@ -1619,11 +1776,14 @@ def _check_constants(kwargs: Dict[str, Any]) -> None:
             )
 
 
-def set_engine(module: nn.Module, name: str) -> nn.Module:
+def set_engine(module: nn.Module, name: str, fallback: Optional[bool] = None) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``.
 
     ``"auto"`` (the blocks that fit a memory budget stored, the rest recomputed) is chosen
     above the engine, by :func:`pareprop.set_engine` (:mod:`pareprop.memory.budget`).
+    ``fallback`` (engine ``"pareprop"``): False always runs PaReprop, True lets each stack keep
+    Reprop where it measures faster (the default; NOTE [ PaReprop's fallback to Reprop ] in
+    pareprop/schedule.py); None keeps each stack's setting.
     """
     if name == "auto":
         raise ValueError(
@@ -1631,10 +1791,41 @@ def set_engine(module: nn.Module, name: str) -> nn.Module:
             "memory_budget=..., example_inputs=...) or pareprop.set_memory_budget"
         )
     _check_engine(name)
-    for m in module.modules():
+    if fallback is not None and not isinstance(fallback, bool):
+        raise TypeError(f"fallback must be True, False or None, got {fallback!r}")
+    for path, m in module.named_modules():
         if isinstance(m, ReversibleStack):
-            m.set_engine(name)
+            m.set_engine(name, fallback)
+            m._schedule.label = _stack_label(path, m)
     return module
+
+
+def _stack_label(path: str, stack: ReversibleStack) -> str:
+    return (f"stack {path or '(the model)'} ({len(stack.blocks)} "
+            f"{type(stack.blocks[0]).__name__} blocks)")
+
+
+def chosen_schedule(module: nn.Module) -> Optional[str]:
+    """What the stacks under engine ``"pareprop"`` inside ``module`` run in backward.
+
+    Returns:
+        ``"pareprop"`` or ``"reversible"`` when every such stack has settled on it (on the CPU,
+        and with ``fallback=False``, ``"pareprop"`` at once); ``"measuring"`` while any of them
+        still times both schedules on a GPU (NOTE [ PaReprop's fallback to Reprop ] in
+        pareprop/schedule.py); ``"mixed"`` when they settled differently; None when no stack
+        uses engine ``"pareprop"``.
+    """
+    states = set()
+    for path, m in module.named_modules():
+        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
+            device = next((p.device for p in m.parameters()), torch.device("cpu"))
+            m._schedule.label = _stack_label(path, m)
+            states.add(m._schedule.state(device))
+    if not states:
+        return None
+    if "measuring" in states:
+        return "measuring"
+    return states.pop() if len(states) == 1 else "mixed"
 
 
 def set_chunking(

@@ -12,7 +12,8 @@ NOTE [ FSDP2 and reversible blocks ]
     :class:`_BlockSharding` to gather: ``block.unshard()`` before the block's forward and
     ``block.reshard()`` after it (when ``reshard_after_forward``), and in backward
     ``block.unshard()`` before its recomputation, with ``unshard(async_op=True)`` of the next
-    block in recomputation order (the block below) as the explicit prefetch. The unsharded
+    block in recomputation order (the block below) as the explicit prefetch, issued on the lane
+    that will wait for it (NOTE [ FSDP prefetch on the waiting lane ]). The unsharded
     parameters are the same tensor objects at every gather (FSDP refills their storage in
     place, preserving the version counter), so the graphs a stored block keeps from forward stay
     valid across a reshard, and the engine's check that parameters were not modified in place
@@ -39,11 +40,35 @@ NOTE [ FSDP2 and reversible blocks ]
     torch lack it, gradients are still exact: FSDP's end-of-backward callback runs
     post-backward for every unit whose hook did not fire, so all blocks reduce at the end of
     backward instead (more memory, same numbers; tests run both paths).
+
+
+NOTE [ FSDP prefetch on the waiting lane ]
+    An explicit prefetch (``unshard(async_op=True)``) runs FSDP2's copy-in and all-gather on the
+    current stream, so the all-gather buffer comes from that stream's allocator pool; the wait
+    (``UnshardHandle.wait``) copies out of it on the then current stream and frees it on the
+    host at once. Under PaReprop, gather(l) runs inside recover(l), on block l's lane, while the
+    block below that it prefetches is rebuilt, and waited for, on the other lane. Issued from
+    block l's lane, the buffer would go back to that lane's pool while the copy-out on the other
+    lane is still queued, and grads(l), next on block l's lane and not ordered after that
+    copy-out, could be handed the same memory: block l-1 rebuilt with corrupted weights. So the
+    engine hands the sharding a ``prefetch_on(block)`` context for the duration of PaReprop's
+    backward, and the prefetch is issued under the lane of the block that waits for it: buffer,
+    copy-in, all-gather wait and copy-out all on one stream, whose later work runs after them.
+    That lane first waits for the current one (where recover(l) has just waited for the step
+    before it), so the buffer it allocates is ordered like recover's own allocations (NOTE
+    [ Tensor lifetimes across streams ] in engine.py); that wait costs nothing, since the
+    lower lane's next work, grads(l+1), waits for the same events anyway. The prefetch still
+    overlaps: its copy-in is a small kernel queued on the lower lane before grads(l+1), and the
+    all-gather itself runs on the process group's own stream, alongside recover(l) and
+    grads(l+1). (A synchronous unshard in recover(l-1) instead would be safe too, but would
+    start each all-gather only when its block is about to be rebuilt.) Under Reprop every block
+    runs on the main stream and ``prefetch_on`` is not set.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as tdist
@@ -119,6 +144,9 @@ class _BlockSharding:
         self.blocks = blocks
         self.reshard_after = reshard_after_forward
         self.pending: Dict[int, Any] = {}  # block index -> UnshardHandle of a prefetch
+        # Enters the engine's lane of a block, set while PaReprop's backward runs; None: one
+        # stream (NOTE [ FSDP prefetch on the waiting lane ]).
+        self.prefetch_on: Optional[Callable[[int], ContextManager[None]]] = None
 
     def check_inputs(self, x1: torch.Tensor, x2: torch.Tensor) -> None:
         if not (x1.requires_grad or x2.requires_grad):
@@ -147,7 +175,11 @@ class _BlockSharding:
         self.blocks[index].unshard()
         below = index - 1
         if below >= 0 and below not in self.pending:
-            self.pending[below] = self.blocks[below].unshard(async_op=True)
+            # On the lane that waits for it: NOTE [ FSDP prefetch on the waiting lane ].
+            lane = (contextlib.nullcontext() if self.prefetch_on is None
+                    else self.prefetch_on(below))
+            with lane:
+                self.pending[below] = self.blocks[below].unshard(async_op=True)
 
     def reduce(
         self, index: int, params: List[torch.Tensor], grads: List[Optional[torch.Tensor]]

@@ -37,12 +37,19 @@ RECORD_FIELDS = (
     "peak_mem_bytes",
     "peak_mem_kind",
     "peak_reserved_bytes",
+    # The caching allocator's out-of-memory retries (free the cache, allocate again) during the
+    # timed steps; CUDA only.
+    "alloc_retries",
     "planned_peak_bytes",
     "activation_bytes",
     "stored_blocks",
     "compiled",
     "grad_checkpointing",
     "chunk_bytes",
+    # pareprop.chosen_schedule after the timed steps: "pareprop" for engine pareprop (benchmarks
+    # run it with the fallback to Reprop off, so the engine column is one schedule), None for
+    # models without a pareprop stack.
+    "schedule",
     "grad_rel_err",
     "status",
 )

@@ -24,7 +24,7 @@ from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
 from pareprop.compile import compile_blocks
-from pareprop.engine import set_chunking
+from pareprop.engine import ReversibleStack, chosen_schedule, set_chunking
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
 __all__ = ["measure"]
@@ -196,6 +196,7 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         out["stored_blocks"] = _apply_budget(model, inputs, job, device)
     if job.compile:  # after the budget, which measures the blocks eagerly
         compile_blocks(model)
+    _force_schedule(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     scaler = None
     if job.amp == "fp16" and device.type == "cuda":
@@ -222,6 +223,8 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
     for _ in range(job.warmup):
         stop.check()
         step()
+    _sync(device)
+    retries_before = _alloc_retries(device)
     times = []
     for _ in range(job.iters):
         stop.check()
@@ -231,7 +234,9 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
 
+    out["schedule"] = chosen_schedule(model)
     if device.type == "cuda":
+        out["alloc_retries"] = _alloc_retries(device) - retries_before
         out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device) - mem_before)
         out["peak_mem_kind"] = "cuda_max_allocated"
         # What the caching allocator held from the device at most (allocated + its cache).
@@ -266,6 +271,20 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         small = tuple(t[: min(2, job.batch_size)] for t in inputs)
         out["grad_rel_err"] = grad_rel_err(model, small, job.engine, seed=job.seed)
 
+
+
+def _force_schedule(model: nn.Module) -> None:
+    """Engine "pareprop" runs PaReprop itself: a record's engine is one schedule, and the
+    fallback's choice is what the pareprop and reversible records of a batch compare."""
+    for m in model.modules():
+        if isinstance(m, ReversibleStack):
+            m.set_engine(m.engine, fallback=False)
+
+
+def _alloc_retries(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _apply_budget(

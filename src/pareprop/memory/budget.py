@@ -433,9 +433,13 @@ def set_engine(
     name: str,
     memory_budget: Optional[Budget] = None,
     example_inputs: Any = None,
+    fallback: Optional[bool] = None,
 ) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``
     (:func:`pareprop.engine.set_engine`), or let a memory budget choose: ``pareprop.set_engine``.
+
+    ``fallback=False`` makes engine ``"pareprop"`` always run PaReprop instead of keeping Reprop
+    where it measures faster (:func:`pareprop.chosen_schedule`).
 
     ``name="auto"`` with a ``memory_budget`` (bytes, ``"12GiB"`` or a fraction from 0 to 1) and
     ``example_inputs`` stores the blocks that fit and recomputes the rest, on pareprop (CUDA) or
@@ -448,14 +452,14 @@ def set_engine(
     if name != "auto":
         if memory_budget is not None:
             raise ValueError(f"memory_budget= goes with engine='auto', not {name!r}")
-        return engine_lib.set_engine(module, name)
+        return engine_lib.set_engine(module, name, fallback)
     if memory_budget is None or example_inputs is None:
         raise ValueError(
             "engine='auto' needs memory_budget= (bytes, '12GiB' or a fraction from 0 to 1) "
             "and example_inputs= (a batch to measure the blocks on)"
         )
     for m in module.modules():
-        if isinstance(m, ReversibleStack) and m.engine == "autograd":
-            m.set_engine("reversible")
+        if isinstance(m, ReversibleStack) and (m.engine == "autograd" or fallback is not None):
+            m.set_engine("reversible" if m.engine == "autograd" else m.engine, fallback)
     module.memory_plan = set_memory_budget(module, memory_budget, example_inputs)
     return module
