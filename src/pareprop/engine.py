@@ -781,8 +781,11 @@ def _grads(
 # (= Y1 - F(X2), block l's F) and then X2 of block l-1 (Y2 - G(Y1) with Y1, Y2 of block l-1
 # being X1, X2 of block l), both independent of grads(l). Block l's X1 is not needed before:
 # grads(l) reads Y1 and X2, and only block l-1 reads X1 (as its Y1). So while grads(l) runs,
-# four stream maps are alive: block l's Y1 and X2, and the two new ones; grads(l) drops Y1 once
-# G is done. "Reversible" holds two. The bottom block's X1 (the stack's input) is never
+# four stream maps are alive: block l's Y1 and X2, and the two new ones ("reversible" holds
+# two). Y1 stays until grads(l) returns, though G is done with it earlier: recover(l-1) reads it
+# on the other lane, and freeing it would let grads(l)'s lane reuse memory the other lane may
+# still read (NOTE [ Tensor lifetimes across streams ]: a block's streams are freed once their
+# last reader is queued, and that is grads(l)). The bottom block's X1 (the stack's input) is never
 # rebuilt, nor that of a block below which a stored block sits (the stored block kept its
 # inputs), except for debug_reconstruction's check; under FSDP, where only a block and the one
 # above are gathered at a time, each recover rebuilds its own X1. The gradients are rebuilt in
