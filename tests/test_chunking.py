@@ -117,6 +117,18 @@ def test_every_family_and_engine_equals_autograd_with_chunks(family, count, monk
             assert any(size % c for size, c in seen)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_forward_runs_each_branch_in_chunks(engine, monkeypatch):
+    # NOTE [ Chunked forward ]: no whole-branch temporaries in forward either
+    model = _model("vit")
+    pareprop.set_engine(model, engine)
+    pareprop.set_chunking(model, chunks=3)
+    seen = _spy_chunks(monkeypatch)
+    model(model.example_inputs(BATCH, dtype=torch.float64)[0])  # forward only
+    depth = len(model.stack.blocks)
+    assert sorted(seen) == sorted([(BATCH, 3)] * depth + [(16, 3)] * depth)  # F: samples, G: tokens
+
+
 @pytest.mark.parametrize("stored", [[0], [1], [2], [0, 2]])
 def test_stored_blocks_with_chunks(stored):
     # Under PaReprop a chunked block's X1 is rebuilt by the recover of the block below
