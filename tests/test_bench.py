@@ -380,6 +380,32 @@ def test_headline_states_the_ratios_against_autograd_and_checkpointing():
     assert bench.format_headline([records[1], records[2]], plan_largest=False) == ""
 
 
+@pytest.mark.parametrize("known, memory, most", [
+    ((4, 16), 10_000, 4),  # the records' batches (their planned peaks are known)
+    ((4, 16), 1_000, 6),  # the kink of the peak is next to the answer: slower
+    ((4, 16, 64), 500_000, 3),
+])
+def test_headline_largest_batch_is_exact_in_a_few_plans(monkeypatch, known, memory, most):
+    # A convex, piecewise linear peak: the optimizer's moment (flat) below, then a block's
+    # backward (steeper) from batch 40 up, as a checkpointed step's is.
+    from pareprop.bench import results
+
+    def peak(bs):
+        return max(900 + bs, 7 * bs + 600)
+
+    plans = []
+
+    def fake_plan(name, bs, engine, **kw):
+        plans.append(bs)
+        return dataclasses.make_dataclass("P", ["peak"])(peak(bs))
+
+    monkeypatch.setattr(results, "plan_memory", fake_plan)
+    known = {bs: peak(bs) for bs in known}
+    want = max(b for b in range(1, 100_000) if peak(b) <= memory)
+    assert results._planned_largest("m", "checkpointed", memory, known) == want
+    assert len(plans) <= most, plans
+
+
 def test_default_sweep_runs_the_checkpointed_competitor():
     config = bench.default_config()
     assert "checkpointed" in config.engines and config.models == ("rev_vit_tiny_patch16_224",)

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES, engine_label
 from pareprop.engine import ENGINES
-from pareprop.memory import largest_batch, parse_memory
+from pareprop.memory import largest_batch, parse_memory, plan_memory
+from pareprop.memory.plan import MAX_BATCH
 from pareprop.plots import plot_results
 
 __all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
@@ -285,14 +286,66 @@ def format_headline(
         amp = {"bfloat16-amp": "bf16", "float16-amp": "fp16"}.get(ref["dtype"])
         kw = dict(amp=amp, device=str(ref["device"]).split(":")[0],
                   img_size=ref["img_size"], depth=ref["depth"], num_classes=10)
+        if ref["seq_len"] is not None:
+            kw["seq_len"] = ref["seq_len"]
         engines = ["reversible", *(e for e, _ in others if e == "checkpointed"), "autograd"]
         try:
-            sizes = [largest_batch(key[0], e, parse_memory(memory), **kw)[0] for e in engines]
+            sizes = []
+            for e in engines:
+                known = {r["batch_size"]: r.get("planned_peak_bytes") for r in ok
+                         if r["engine"] == e and (r["model"], r["depth"], r["seq_len"])
+                         == (key[0], key[1], key[3])}
+                sizes.append(_planned_largest(key[0], e, parse_memory(memory), known, **kw))
             line += f"; largest batch in {memory[:-3]} GiB: " + ", ".join(
                 f"{e} {n}" for e, n in zip(engines, sizes))
         except Exception as err:  # noqa: BLE001 - the headline reports, never fails the run
             line += f"; largest batch not planned ({type(err).__name__}: {err})"
     return line
+
+
+# NOTE [ The headline's largest batches ]
+#     A planned peak grows with the batch, piece by piece linearly: it is the largest of a few
+#     moments of the step (the optimizer's step, the end of forward, a block's backward), each
+#     affine in the batch, so it is convex. The run's records already hold the planned peaks of
+#     its batch sizes. The line through the largest two predicts the largest batch; a plan of
+#     it (and of the next batch) confirms it exactly. Where a steeper piece takes over at large
+#     batches, the prediction does not fit, and the chord between the largest batch known to fit
+#     and the smallest known not to (regula falsi) gives a batch that fits, by convexity; a
+#     chord or two later it is exact. A handful of plans instead of pareprop.largest_batch's
+#     search from batch 1: at depth 24 a plan takes seconds on the CPU, and this keeps the
+#     default `pareprop bench` short. The search remains the fallback.
+def _planned_largest(name: str, engine: str, memory_bytes: int, known: Dict[int, Any],
+                     tries: int = 8, **kw: Any) -> int:
+    """The largest batch whose planned peak fits ``memory_bytes`` (``known``: batch ->
+    planned peak of this configuration, from the records; see NOTE above)."""
+    points = sorted((bs, p) for bs, p in known.items() if p)
+    fit = [pt for pt in points if pt[1] <= memory_bytes]
+    over = [pt for pt in points if pt[1] > memory_bytes]
+    lo = fit[-1] if fit else None  # (batch, peak): the largest known to fit
+    hi = over[0] if over else None  # the smallest known not to fit
+    if len(points) < 2 or lo is None:
+        return largest_batch(name, engine, memory_bytes, **kw)[0]
+    last = points[-2:]
+    for _ in range(tries):
+        if hi is not None and hi[0] - lo[0] <= 1:
+            return lo[0]
+        (b0, p0), (b1, p1) = (lo, hi) if hi is not None else last
+        if p1 <= p0:  # flat so far: grow geometrically
+            guess = 2 * b1
+        else:
+            guess = b0 + int((memory_bytes - p0) * (b1 - b0) // (p1 - p0))
+        guess = max(guess, lo[0] + 1)
+        if hi is not None:
+            guess = min(guess, hi[0] - 1)
+        if guess >= MAX_BATCH:
+            break
+        point = (guess, plan_memory(name, guess, engine, **kw).peak)
+        if point[1] <= memory_bytes:
+            lo = point
+        else:
+            hi = point
+        last = [last[-1], point]
+    return largest_batch(name, engine, memory_bytes, start=lo[0], **kw)[0]
 
 
 def _amount(ratio: float | None) -> str:
