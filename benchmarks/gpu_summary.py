@@ -437,6 +437,8 @@ def format_summary(sweeps: Sequence[Sweep],
     for s, f in zip(sweeps, figures):
         cells = [f"{bs}: {ratio:.2f}" + (f" {schedule}" if schedule else "")
                  for bs, ratio, schedule in f.vs_reprop]
+        if len(cells) == 2:  # the smallest and the largest
+            cells.insert(1, "-")
         rows.append((s.label, *(cells + ["-"] * (3 - len(cells)))))
     parts.append("pareprop/reversible step time (< 1: pareprop faster), bs: ratio and the "
                  "schedule pareprop chose\n" + _align(rows))

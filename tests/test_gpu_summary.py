@@ -134,6 +134,10 @@ def test_records_without_the_new_fields_and_engines_missing_print_dashes():
     text = gs.format_summary([sweep(records)])
     ckpt = next(t for t in text.split("\n\n") if t.startswith("against timm's checkpointed"))
     assert ckpt.splitlines()[-1].split() == ["Rev-MViTv2-B", "-", "-", "-", "-", ">=256", "256"]
+    two = gs.format_summary([sweep([rec("reversible", 2), rec("pareprop", 2, rate=4),
+                                    rec("reversible", 4), rec("pareprop", 4, rate=2)])])
+    row = next(t for t in two.split("\n\n") if t.startswith("pareprop/reversible step"))
+    assert row.splitlines()[-1].split() == ["Rev-MViTv2-B", "2:", "0.50", "-", "4:", "2.00"]
     assert gs.three_batches([8, 2, 4, 2]) == [2, 4, 8]
     assert gs.three_batches([1, 2, 3, 4, 5, 6]) == [1, 4, 6]
 
