@@ -40,6 +40,7 @@ from typing import (
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from pareprop.chunking import Chunk, Chunking, Split, chunks, parse_chunking
 from pareprop.schedule import ScheduleChoice
@@ -50,6 +51,7 @@ __all__ = [
     "ReversibleStack",
     "set_engine",
     "set_chunking",
+    "set_block_checkpointing",
     "debug_reconstruction",
     "chosen_schedule",
 ]
@@ -1542,6 +1544,8 @@ class ReversibleStack(nn.Module):
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
+        # Under autograd: each block in torch.utils.checkpoint (see set_block_checkpointing).
+        self.checkpoint_blocks = False
 
     def set_engine(self, name: str, fallback: Optional[bool] = None) -> "ReversibleStack":
         """Run backward with engine ``name``. Under ``"pareprop"`` the stack measures PaReprop
@@ -1611,18 +1615,23 @@ class ReversibleStack(nn.Module):
         chunking = "" if self.chunking is None else (
             f", chunks={self.chunking.count}" if self.chunking.count is not None
             else f", chunk_bytes={self.chunking.max_bytes}")
-        return f"engine={self.engine!r}{stored}{chunking}"
+        ckpt = ", checkpoint_blocks=True" if self.checkpoint_blocks else ""
+        return f"engine={self.engine!r}{stored}{chunking}{ckpt}"
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
         x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
+            # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
+            # backward hooks), as for any FSDP unit.
+            run = _call_block if self._sharding is not None else _couple
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                for block in self.blocks:
+                    x1, x2 = checkpoint(run, block, x1, x2, kwargs, use_reentrant=False)
+                return x1, x2
             for block in self.blocks:
-                # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
-                # backward hooks), as for any FSDP unit.
-                sharded = self._sharding is not None
-                x1, x2 = block(x1, x2, **kwargs) if sharded else _couple(block, x1, x2, kwargs)
+                x1, x2 = run(block, x1, x2, kwargs)
             return x1, x2
         return self._forward_reversible(x1, x2, **kwargs)
 
@@ -1829,6 +1838,31 @@ def chosen_schedule(module: nn.Module) -> Optional[str]:
     if "measuring" in states:
         return "measuring"
     return states.pop() if len(states) == 1 else "mixed"
+
+
+def _call_block(
+    block: ReversibleBlock, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]
+) -> Tuple[Tensor, Tensor]:
+    return block(x1, x2, **kwargs)
+
+
+# NOTE [ Checkpointed blocks: the competitor ]
+# What users run instead of a reversible engine is activation checkpointing: timm's
+# set_grad_checkpointing() puts each block in torch.utils.checkpoint (non-reentrant), so a
+# block keeps only its input and runs again in backward. set_block_checkpointing does the
+# same for a stack's blocks under the autograd engine, so that the benchmark and the planner
+# measure the same model, blocks and kernels under both methods (pareprop.catalog's mode
+# "checkpointed"). The reversible engines ignore it: they keep nothing of their blocks anyway.
+# RNG and autocast replay are torch.utils.checkpoint's own.
+def set_block_checkpointing(module: nn.Module, enable: bool = True) -> nn.Module:
+    """Under the ``autograd`` engine, run each block of every :class:`ReversibleStack`
+    inside ``module`` in ``torch.utils.checkpoint`` (non-reentrant), as timm's
+    ``set_grad_checkpointing()`` does for its blocks; see NOTE [ Checkpointed blocks: the
+    competitor ]. Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.checkpoint_blocks = bool(enable)
+    return module
 
 
 def set_chunking(
