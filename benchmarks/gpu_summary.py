@@ -15,6 +15,13 @@ per sweep (``vit``, ``mvit``, ``swin``, ``text``) with ``sweep.json`` (written b
 * peak memory at equal batch: allocated (``peak_mem_bytes``), reserved
   (``peak_reserved_bytes``) and the memory planner's prediction (``planned_peak_bytes``);
   a field a record lacks prints as ``-``;
+* the caching allocator's out-of-memory retries (``alloc_retries``) at each engine's largest
+  batch;
+* PaReprop's step time over Reprop's at three batch sizes both ran (the smallest, the middle
+  and the largest), with the schedule PaReprop chose there (``schedule``);
+* against timm's checkpointed model: the reversible engines' step time over its at the
+  largest batch all three ran, and the largest batch each ran (the moonshot: faster than
+  checkpointing at equal batch, and more of it);
 * the issue's targets, each ``met``, ``NOT MET`` or ``unknown`` (not measured, or the sweep
   cannot decide it), then every failed configuration.
 
@@ -37,6 +44,7 @@ __all__ = [
     "load_sweeps",
     "load_steps",
     "analyse",
+    "three_batches",
     "targets",
     "format_summary",
     "main",
@@ -79,6 +87,13 @@ class Figures:
     batch_ratio: Optional[Tuple[float, str]]  # reversible engines' largest / plain's, and kind
     counts: Dict[str, int]  # status kind -> number of configurations
     errors: List[Record]
+    # engine -> alloc_retries at its largest batch (None: the records do not say)
+    retries: Dict[str, Optional[int]] = field(default_factory=dict)
+    # (batch, PaReprop's step time / Reprop's, PaReprop's schedule there) at up to 3 batches
+    vs_reprop: List[Tuple[int, float, Optional[str]]] = field(default_factory=list)
+    # (batch, reversible's step time / checkpointed's, pareprop's / checkpointed's), at the
+    # largest batch the three ran; a ratio is None where that engine did not run there
+    vs_checkpointed: Optional[Tuple[int, Optional[float], Optional[float]]] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +215,52 @@ def analyse(sweep: Sweep) -> Figures:
         vs_autograd = (ok["pareprop"][bs]["samples_per_s"] / ok["autograd"][bs]["samples_per_s"],
                        bs)
     batch_ratio = _batch_ratio(largest)
+    # Records from before alloc_retries/schedule existed have neither: read with .get().
+    retries = {e: _count(ok[e][largest[e][0]].get("alloc_retries")) for e in ran}
     return Figures(equal_batch, at_equal, best, largest, speedup, vs_autograd, batch_ratio,
-                   counts, errors)
+                   counts, errors, retries, _vs_reprop(ok), _vs_checkpointed(ok))
+
+
+def _count(x: Any) -> Optional[int]:
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _time_ratio(ours: Record, theirs: Record) -> float:
+    """Our step time over theirs at the same batch (< 1: we are faster): their samples/s over
+    ours, which every record has (step times are the same figure inverted)."""
+    return theirs["samples_per_s"] / ours["samples_per_s"]
+
+
+def three_batches(batches: Sequence[int]) -> List[int]:
+    """The smallest, the middle and the largest of ``batches`` (all of them, if 3 or fewer)."""
+    b = sorted(set(batches))
+    return b if len(b) <= 3 else [b[0], b[len(b) // 2], b[-1]]
+
+
+def _vs_reprop(ok: Dict[str, Dict[int, Record]]) -> List[Tuple[int, float, Optional[str]]]:
+    par, rev = ok.get("pareprop", {}), ok.get("reversible", {})
+    out = []
+    for bs in three_batches(set(par) & set(rev)):
+        schedule = par[bs].get("schedule")
+        out.append((bs, _time_ratio(par[bs], rev[bs]),
+                    schedule if isinstance(schedule, str) else None))
+    return out
+
+
+def _vs_checkpointed(
+    ok: Dict[str, Dict[int, Record]],
+) -> Optional[Tuple[int, Optional[float], Optional[float]]]:
+    ckpt = ok.get("checkpointed", {})
+    ours = [e for e in ("reversible", "pareprop") if ok.get(e)]
+    if not ckpt or not ours:
+        return None
+    common = set(ckpt).intersection(*(set(ok[e]) for e in ours))
+    if not common:
+        return None
+    bs = max(common)
+    ratios = [_time_ratio(ok[e][bs], ckpt[bs]) if e in ours else None
+              for e in ("reversible", "pareprop")]
+    return bs, ratios[0], ratios[1]
 
 
 def _batch_ratio(largest: Dict[str, Tuple[int, bool]]) -> Optional[Tuple[float, str]]:
@@ -281,6 +340,14 @@ def _rate(r: Optional[Record]) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _bound(largest: Optional[Tuple[int, bool]]) -> str:
+    """A largest batch: ``256``, ``>=256`` (never ran out of memory in the sweep) or ``-``."""
+    if largest is None:
+        return "-"
+    bs, exact = largest
+    return ("" if exact else ">=") + str(bs)
+
+
 def _align(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -337,13 +404,7 @@ def format_summary(sweeps: Sequence[Sweep],
 
     rows = [("model", *ENGINES, "reversible/plain")]
     for s, f in zip(sweeps, figures):
-        cells = []
-        for e in ENGINES:
-            if e not in f.largest:
-                cells.append("-")
-            else:
-                bs, exact = f.largest[e]
-                cells.append(("" if exact else ">=") + str(bs))
+        cells = [_bound(f.largest.get(e)) for e in ENGINES]
         ratio = "-"
         if f.batch_ratio is not None:
             value, kind = f.batch_ratio
@@ -364,6 +425,35 @@ def format_summary(sweeps: Sequence[Sweep],
             cells.append(cell + f" ({_size(r.get('planned_peak_bytes'))})")
         rows.append((s.label, "-" if f.equal_batch is None else str(f.equal_batch), *cells))
     parts.append("peak memory at equal batch: allocated/reserved (planned)\n" + _align(rows))
+
+    rows = [("model", *ENGINES)]
+    for s, f in zip(sweeps, figures):
+        rows.append((s.label, *("-" if f.retries.get(e) is None else str(f.retries[e])
+                                for e in ENGINES)))
+    parts.append("allocator retries at each engine's largest batch (-: not recorded)\n"
+                 + _align(rows))
+
+    rows = [("model", "smallest bs", "middle bs", "largest bs")]
+    for s, f in zip(sweeps, figures):
+        cells = [f"{bs}: {ratio:.2f}" + (f" {schedule}" if schedule else "")
+                 for bs, ratio, schedule in f.vs_reprop]
+        if len(cells) == 2:  # the smallest and the largest
+            cells.insert(1, "-")
+        rows.append((s.label, *(cells + ["-"] * (3 - len(cells)))))
+    parts.append("pareprop/reversible step time (< 1: pareprop faster), bs: ratio and the "
+                 "schedule pareprop chose\n" + _align(rows))
+
+    rows = [("model", "bs", "reversible/ckpt", "pareprop/ckpt", "largest: ckpt", "reversible",
+             "pareprop")]
+    for s, f in zip(sweeps, figures):
+        v = f.vs_checkpointed
+        ratios = (None, None) if v is None else v[1:]
+        rows.append((s.label, "-" if v is None else str(v[0]),
+                     *("-" if x is None else f"{x:.2f}" for x in ratios),
+                     *(_bound(f.largest.get(e)) for e in ("checkpointed", "reversible",
+                                                          "pareprop"))))
+    parts.append("against timm's checkpointed model: step time at the largest batch all three "
+                 "ran (< 1: faster), largest batch that ran\n" + _align(rows))
 
     verdicts = targets(sweeps, figures)
     width = max(len(v) for v, _ in verdicts)

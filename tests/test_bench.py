@@ -341,6 +341,100 @@ def test_format_summary_headline_ratios():
     assert "largest batch 64 vs base plain 32 (2.0x)" in text
 
 
+# --- the headline against autograd and against checkpointing --------------------------------
+
+
+def _headline_rec(engine, ms, planned, measured, depth=24, bs=16):
+    r = dict.fromkeys(bench.RECORD_FIELDS)
+    r.update(model="m", engine=engine, batch_size=bs, depth=depth, status="ok",
+             step_ms_median=ms, planned_peak_bytes=planned, peak_mem_bytes=measured,
+             device="cpu", dtype="float32", img_size=128)
+    return r
+
+
+def test_headline_states_the_ratios_against_autograd_and_checkpointing():
+    records = [
+        _headline_rec("autograd", 100.0, 2200, 1500),
+        _headline_rec("checkpointed", 125.0, 1300, 1100),
+        _headline_rec("reversible", 138.0, 1000, 1000),
+        _headline_rec("pareprop", 120.0, 1000, 1000),
+        # a shallower depth and a smaller batch: not the headline's
+        _headline_rec("autograd", 10.0, 50, 50, depth=4), _headline_rec("reversible", 99.0, 1, 1,
+                                                                        depth=4),
+        _headline_rec("autograd", 10.0, 50, 50, bs=4), _headline_rec("reversible", 99.0, 1, 1,
+                                                                     bs=4),
+    ]
+    line = bench.format_headline(records, plan_largest=False)
+    assert line == ("depth 24: reversible keeps 2.2x less peak memory than autograd and 1.3x "
+                    "less than checkpointing (planned; measured 1.5x less and 1.1x less), at 1.38x "
+                    "autograd's and 1.10x checkpointing's step time")
+    # Checkpointing that keeps less than reversible is said so, not hidden as "0.8x less".
+    records[1] = _headline_rec("checkpointed", 125.0, 800, 900)
+    line = bench.format_headline(records, plan_largest=False)
+    assert "1.2x more than checkpointing (planned; measured 1.5x less and 1.1x more)" in line
+    records[1] = _headline_rec("checkpointed", 125.0, 1040, 960)
+    line = bench.format_headline(records, plan_largest=False)
+    assert "about as much as checkpointing (planned; measured 1.5x less and about as much)" in line
+    # Without the checkpointed record: autograd alone, as before.
+    line = bench.format_headline([records[0], records[2]], plan_largest=False)
+    assert line == ("depth 24: reversible keeps 2.2x less peak memory than autograd (planned; "
+                    "measured 1.5x less), at 1.38x autograd's step time")
+    assert bench.format_headline([records[1], records[2]], plan_largest=False) == ""
+
+
+@pytest.mark.parametrize("known, memory, most", [
+    ((4, 16), 10_000, 4),  # the records' batches (their planned peaks are known)
+    ((4, 16), 1_000, 6),  # the kink of the peak is next to the answer: slower
+    ((4, 16, 64), 500_000, 3),
+])
+def test_headline_largest_batch_is_exact_in_a_few_plans(monkeypatch, known, memory, most):
+    # A convex, piecewise linear peak: the optimizer's moment (flat) below, then a block's
+    # backward (steeper) from batch 40 up, as a checkpointed step's is.
+    from pareprop.bench import results
+
+    def peak(bs):
+        return max(900 + bs, 7 * bs + 600)
+
+    plans = []
+
+    def fake_plan(name, bs, engine, **kw):
+        plans.append(bs)
+        return dataclasses.make_dataclass("P", ["peak"])(peak(bs))
+
+    monkeypatch.setattr(results, "plan_memory", fake_plan)
+    known = {bs: peak(bs) for bs in known}
+    want = max(b for b in range(1, 100_000) if peak(b) <= memory)
+    assert results._planned_largest("m", "checkpointed", memory, known) == want
+    assert len(plans) <= most, plans
+
+
+def test_default_sweep_runs_the_checkpointed_competitor():
+    config = bench.default_config()
+    assert "checkpointed" in config.engines and config.models == ("rev_vit_tiny_patch16_224",)
+    assert {j.engine for j in bench.sweep_jobs(config)} == {
+        "autograd", "reversible", "pareprop", "checkpointed"}
+
+
+def test_cli_headline_plans_the_largest_batch_of_each_method(tmp_path, capsys):
+    rc, stdout, _ = _run([
+        "--models", "rev_vit_tiny_patch4_32", "--engines", "autograd", "reversible",
+        "checkpointed", "--batch-sizes", "2", "--depths", "3", "--device", "cpu", "--warmup", "0",
+        "--iters", "1", "--no-activation-bytes", "--quiet", "--out", str(tmp_path),
+    ], capsys)
+    assert rc == 0, stdout
+    records = json.loads((tmp_path / "results.json").read_text())
+    ckpt = next(r for r in records if r["engine"] == "checkpointed")
+    assert ckpt["status"] == "ok" and isinstance(ckpt["planned_peak_bytes"], int)
+    assert "checkpointed / autograd" in stdout  # the ratio table compares it with autograd
+    line = next(x for x in stdout.splitlines() if x.startswith("depth 3: reversible keeps"))
+    assert " autograd and " in line and " checkpointing (planned; measured " in line
+    sizes = dict(part.rsplit(" ", 1) for part in
+                 line.split("largest batch in 16 GiB: ")[1].split("  (")[0].split(", "))
+    assert list(sizes) == ["reversible", "checkpointed", "autograd"]
+    # autograd keeps every block's activations, the other two do not
+    assert min(int(sizes["reversible"]), int(sizes["checkpointed"])) > int(sizes["autograd"]) > 0
+
+
 # --- memory budgets --------------------------------------------------------------------------
 
 

@@ -47,8 +47,9 @@ def test_facts_of_pareprop_and_timm_models():
 
 
 def test_engine_modes_of_a_name():
-    assert catalog.engines_for("rev_vit_tiny_patch4_32", catalog.ALL_ENGINES) == list(
-        pareprop.ENGINES)
+    # A reversible model runs the engines and, against them, its own blocks checkpointed.
+    assert catalog.engines_for("rev_vit_tiny_patch4_32", catalog.ALL_ENGINES) == [
+        *pareprop.ENGINES, "checkpointed"]
     assert catalog.engines_for("vit_tiny_patch16_224", catalog.ALL_ENGINES) == [
         "plain", "checkpointed"]
     assert catalog.engine_budgets(["autograd", "reversible"], [None, 0.5, 0.5]) == [

@@ -91,6 +91,57 @@ def test_verdicts_of_the_targets():
     assert [v for v, _ in verdicts] == ["NOT MET", "met"]
 
 
+def test_retries_pareprop_against_reprop_and_against_checkpointing():
+    records = typical()
+    for r in records:  # what bench records carry since the PaReprop fallback
+        if r["status"] == "ok":
+            r["alloc_retries"] = {("pareprop", 256): 7, ("reversible", 256): 0,
+                                  ("checkpointed", 256): 2}.get((r["engine"], r["batch_size"]),
+                                                                 1)
+            if r["engine"] == "pareprop":
+                r["schedule"] = "reversible" if r["batch_size"] == 256 else "pareprop"
+    f = gs.analyse(sweep(records))
+    # at each engine's largest batch that ran: plain 64, checkpointed 256, autograd 64, ...
+    assert f.retries == {"plain": 1, "checkpointed": 2, "autograd": 1, "reversible": 0,
+                         "pareprop": 7}
+    # both ran 32, 64, 128, 256: smallest, middle, largest; step time = inverse throughput
+    assert f.vs_reprop == [(32, pytest.approx(70 / 75), "pareprop"),
+                           (128, pytest.approx(90 / 110), "pareprop"),
+                           (256, pytest.approx(85 / 100), "reversible")]
+    # checkpointed, reversible and pareprop all ran 256: step time over checkpointed's there
+    assert f.vs_checkpointed == (256, pytest.approx(96 / 85), pytest.approx(96 / 100))
+
+    text = gs.format_summary([sweep(records)])
+    tables = {t.split("\n")[0]: t.splitlines() for t in text.split("\n\n")}
+    retries = next(v for k, v in tables.items() if k.startswith("allocator retries"))
+    assert retries[-1].split() == ["Rev-MViTv2-B", "1", "2", "1", "0", "7"]
+    reprop = next(v for k, v in tables.items() if k.startswith("pareprop/reversible step"))
+    assert reprop[-1].split()[1:] == ["32:", "0.93", "pareprop", "128:", "0.82", "pareprop",
+                                      "256:", "0.85", "reversible"]
+    ckpt = next(v for k, v in tables.items() if k.startswith("against timm's checkpointed"))
+    assert ckpt[-1].split() == ["Rev-MViTv2-B", "256", "1.13", "0.96", ">=256", ">=256", "256"]
+
+
+def test_records_without_the_new_fields_and_engines_missing_print_dashes():
+    # Records written before alloc_retries and schedule existed (or on the CPU: None).
+    records = [r for r in typical() if r["engine"] != "checkpointed"]
+    f = gs.analyse(sweep(records))
+    assert set(f.retries.values()) == {None}
+    assert [s for _, _, s in f.vs_reprop] == [None, None, None]
+    assert f.vs_checkpointed is None
+    only_rev = gs.analyse(sweep([rec("reversible", 8), rec("checkpointed", 8, rate=4)]))
+    assert only_rev.vs_reprop == [] and only_rev.vs_checkpointed == (8, 0.5, None)
+    text = gs.format_summary([sweep(records)])
+    ckpt = next(t for t in text.split("\n\n") if t.startswith("against timm's checkpointed"))
+    assert ckpt.splitlines()[-1].split() == ["Rev-MViTv2-B", "-", "-", "-", "-", ">=256", "256"]
+    two = gs.format_summary([sweep([rec("reversible", 2), rec("pareprop", 2, rate=4),
+                                    rec("reversible", 4), rec("pareprop", 4, rate=2)])])
+    row = next(t for t in two.split("\n\n") if t.startswith("pareprop/reversible step"))
+    assert row.splitlines()[-1].split() == ["Rev-MViTv2-B", "2:", "0.50", "-", "4:", "2.00"]
+    assert gs.three_batches([8, 2, 4, 2]) == [2, 4, 8]
+    assert gs.three_batches([1, 2, 3, 4, 5, 6]) == [1, 4, 6]
+
+
 @pytest.mark.parametrize("ours_oom,plain_oom,expected", [
     (True, True, "NOT MET"),  # 2x, both exact
     (False, True, "unknown"),  # at least 2x: might still reach 4x
@@ -116,7 +167,8 @@ def test_summary_has_one_line_per_model_per_table_and_dashes_for_missing_fields(
     text = gs.format_summary(sweeps, [("tests", "0", "31", ""), ("vit", "124", "80", "")])
     tables = text.split("\n\n")
     for title in ("configurations", "samples/s at equal batch", "samples/s at each engine's best",
-                  "largest batch", "peak memory"):
+                  "largest batch", "peak memory", "allocator retries", "pareprop/reversible step",
+                  "against timm's checkpointed"):
         table = next(t for t in tables if t.startswith(title))
         assert sum(line.startswith("Rev-MViTv2-B ") for line in table.splitlines()) == 1
         assert sum(line.startswith("Rev-RoBERTa-B ") for line in table.splitlines()) == 1

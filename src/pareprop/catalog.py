@@ -4,7 +4,10 @@ A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_mod
 (``vit_base_patch16_224``). The catalog builds it with overrides in an *engine mode*: one of
 pareprop's engines (``autograd``, ``reversible``, ``pareprop``) for a model with a
 :class:`~pareprop.engine.ReversibleStack`, or a baseline mode for any other model (``plain``:
-autograd; ``checkpointed``: timm's ``set_grad_checkpointing()``). It also gives the model's
+autograd; ``checkpointed``: timm's ``set_grad_checkpointing()``). A reversible model also runs
+``checkpointed``: its blocks under the autograd engine, each in ``torch.utils.checkpoint`` as
+timm's are (:func:`pareprop.engine.set_block_checkpointing`), so the reversible engines are
+compared with checkpointing on the very same model. It also gives the model's
 example inputs, its facts (source, family, depth, whether it is reversible or reads text) and
 its logits. The benchmark (:mod:`pareprop.bench`), the memory planner
 (:func:`pareprop.plan_memory`), the trainer and the CLI all build their models here, so a plan
@@ -24,13 +27,14 @@ import timm
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ENGINES, ReversibleStack
+from pareprop.engine import ENGINES, ReversibleStack, set_block_checkpointing
 from pareprop.models import create_model, is_model, unknown_model_message
 
 __all__ = [
     "BASELINE_ENGINES",
     "ALL_ENGINES",
     "REVERSIBLE_ENGINES",
+    "REVERSIBLE_MODEL_ENGINES",
     "ModelFacts",
     "ModelRequest",
     "model_source",
@@ -48,6 +52,8 @@ __all__ = [
 BASELINE_ENGINES = ("plain", "checkpointed")  # the modes of models without a reversible stack
 ALL_ENGINES = tuple(ENGINES) + BASELINE_ENGINES
 REVERSIBLE_ENGINES = ("reversible", "pareprop")  # the engines a memory budget applies to
+# The modes of a model with a reversible stack: the engines, and its blocks checkpointed.
+REVERSIBLE_MODEL_ENGINES = tuple(ENGINES) + ("checkpointed",)
 
 
 def model_source(name: str) -> str:
@@ -127,7 +133,7 @@ def _default_timm(name: str) -> nn.Module:
 
 def engines_for(name: str, engines: Sequence[str]) -> List[str]:
     """The engine modes of ``engines`` that apply to model ``name``, in the given order."""
-    valid = ENGINES if model_facts(name).reversible else BASELINE_ENGINES
+    valid = REVERSIBLE_MODEL_ENGINES if model_facts(name).reversible else BASELINE_ENGINES
     return [e for e in engines if e in valid]
 
 
@@ -161,7 +167,7 @@ class ModelRequest:
     """
 
     model: str
-    engine: str  # an engine (reversible models) or a baseline mode: see ALL_ENGINES
+    engine: str  # an engine or "checkpointed" (reversible models), or a baseline mode
     num_classes: Optional[int] = None
     img_size: Optional[int] = None
     depth: Optional[int] = None  # blocks in total; staged models change their deepest stage
@@ -191,7 +197,12 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
                 ) from err
             raise
     if request.engine == "checkpointed":
-        model.set_grad_checkpointing(True)
+        # timm's blocks; or a reversible model's blocks, and its other blocks (transitions)
+        # where it has any (a model of the model contract has set_grad_checkpointing).
+        if facts.reversible:
+            set_block_checkpointing(model, True)
+        if not facts.reversible or hasattr(model, "set_grad_checkpointing"):
+            model.set_grad_checkpointing(True)
     if request.grad_checkpointing:
         if not facts.reversible:
             raise ValueError(
@@ -205,8 +216,8 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
 def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]:
     kwargs = _with_num_classes(request)
     names = {f.name for f in dataclasses.fields(facts.cfg)} if facts.cfg is not None else set()
-    if facts.reversible:
-        kwargs["engine"] = request.engine
+    if facts.reversible:  # "checkpointed": autograd, with the blocks checkpointed by build_model
+        kwargs["engine"] = "autograd" if request.engine == "checkpointed" else request.engine
     if request.img_size is not None and "img_size" in names:
         kwargs["img_size"] = request.img_size
     if facts.cfg is not None:

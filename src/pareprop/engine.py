@@ -40,6 +40,7 @@ from typing import (
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from pareprop.chunking import Chunk, Chunking, Split, chunks, parse_chunking
 from pareprop.schedule import ScheduleChoice
@@ -50,6 +51,7 @@ __all__ = [
     "ReversibleStack",
     "set_engine",
     "set_chunking",
+    "set_block_checkpointing",
     "debug_reconstruction",
     "chosen_schedule",
 ]
@@ -394,59 +396,62 @@ def _couple(
     kwargs: Dict[str, Any],
     records: Optional[List[_BlockRecord]] = None,
     keep_inputs: bool = False,
-    chunked: Optional[Tuple["_Plan", int]] = None,
 ) -> Tuple[Tensor, Tensor]:
     beta = skip_scale(block)
     if records is None:
         y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
         return y1, _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     f_rng = _RngState.capture(x2.device)
-    y1 = _add_branch(block, "f", x1, x2, beta, kwargs, chunked, f_rng)
+    y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
     g_rng = _RngState.capture(x2.device)
-    y2 = _add_branch(block, "g", x2, y1, beta, kwargs, chunked, g_rng)
+    y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
     records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
     return y1, y2
-
-
-# NOTE [ Chunked forward ]
-# A chunked stack (set_chunking) runs F and G chunk by chunk in forward too, into their sums
-# Y1 = beta X1 + F(X2) and Y2 = beta X2 + G(Y1), as backward rebuilds them: forward has no
-# graph to keep, but a whole branch's temporaries (G's hidden maps, four times a stream's
-# width, before and after the activation) on top of four streams set the peak of a step
-# whose backward is chunked (Rev-Swin-T's first stage). Each chunk starts from the branch's
-# generator state, as in backward, so the branch draws what it draws whole.
-def _add_branch(
-    block: ReversibleBlock,
-    name: str,
-    skip_in: Tensor,
-    x: Tensor,
-    beta: Optional[Tensor],
-    kwargs: Dict[str, Any],
-    chunked: Optional[Tuple["_Plan", int]],
-    rng: _RngState,
-) -> Tensor:
-    """``beta skip_in + branch(x)``; with ``chunked`` = (plan, block index), chunk by chunk
-    when the plan cuts the branch in several (NOTE [ Chunked forward ])."""
-    if chunked is not None:
-        plan, index = chunked
-        split, count = _branch_chunking(plan, index, name, x, rng)
-        rng.restore(plan.device)  # measuring a chunk's cost may have drawn
-        if count > 1:
-            out = skip_in.clone() if beta is None else _skip(beta, skip_in)
-            for chunk in chunks(split.size, count):
-                rng.restore(plan.device)
-                piece = _chunk_input(x, split, chunk).detach()  # a Function's forward: no graph
-                part = _call_checked(block, name, piece, kwargs, chunk)
-                _chunk_input(out, split, chunk).add_(part)
-            return out
-    return _skip(beta, skip_in) + _call_checked(block, name, x, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward: recover(l) rebuilds block l's local graphs and inputs; grads(l) backpropagates
 # through them. Both engines are schedules of these two steps.
 # ---------------------------------------------------------------------------------------------
+
+
+# NOTE [ Chunked forward ]
+# The forward of a chunked stack runs each branch chunk by chunk too, without a graph: its
+# whole-branch temporaries (a ViT-B MLP's two 4C-wide hidden maps, qkv and the attention
+# output) would otherwise set the step's peak once backward no longer does. Each chunk's
+# output is added into its slice of the block's output (Y1 = beta X1 + F(X2), then Y2 = beta
+# X2 + G(Y1)), a tensor the stack made. Randomness is drawn as in backward: the branch's
+# generator state is restored before every chunk, and each chunk takes its slice of the whole
+# draw (NOTE [ Exact randomness in chunks ]), so the generator ends where the whole branch
+# leaves it, and backward rebuilds exactly what forward computed, chunk for chunk.
+
+
+def _couple_chunked(
+    plan: "_Plan", index: int, x1: Tensor, x2: Tensor, keep_inputs: bool
+) -> Tuple[Tensor, Tensor]:
+    """``_couple`` of block ``index`` of a chunked stack, each branch in chunks."""
+    block = plan.blocks[index]
+    f_rng = _RngState.capture(x2.device)
+    y1 = _add_branch(plan, index, "f", x2, x1, f_rng)
+    g_rng = _RngState.capture(x2.device)
+    y2 = _add_branch(plan, index, "g", y1, x2, g_rng)
+    inputs = (x1.clone(), x2.clone()) if keep_inputs else None
+    plan.records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
+    return y1, y2
+
+
+def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
+                rng: _RngState) -> Tensor:
+    """``beta * skip + branch(x)`` in forward, in chunks where the branch has more than one."""
+    block = plan.blocks[index]
+    beta = skip_scale(block)
+    split, count = _branch_chunking(plan, index, name, x, rng)
+    if split is None or count == 1:  # as _couple does it
+        return _skip(beta, skip) + _call_checked(block, name, x, plan.kwargs)
+    out = skip.clone() if beta is None else beta * skip
+    _run_chunks(plan, index, name, x, split, count, rng, add_into=out)
+    return out
 
 
 @dataclass
@@ -489,6 +494,9 @@ class _Plan:
     # them, and their versions at forward.
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
+    # PaReprop with chunks: the block whose X1 the next recover rebuilds (its Y1 is handed
+    # down in X1's place; NOTE [ Chunked backward ]).
+    pending_x1: Optional[int] = None
     # Under "pareprop": the stack's choice between PaReprop and Reprop (pareprop/schedule.py).
     schedule: Optional[ScheduleChoice] = None
 
@@ -766,11 +774,26 @@ def _grads(
 # backward returns: a block's backward holds two streams, their two gradients, those two, and
 # one chunk's graph with its gradients.
 #
-# Under "pareprop", recover(l-1) runs before grads(l) (NOTE [ PaReprop on two CUDA streams ]),
-# and grads(l) reads block l's Y1 and X2. So recover rebuilds X1 and X2 chunk by chunk without
-# a graph, into new tensors, and grads rebuilds each chunk's graph again to backpropagate
-# through it: one more forward of the block than without chunking, in exchange for not
-# holding two blocks' whole graphs. Stored blocks keep their whole graphs from forward.
+# Under "pareprop", recover(l-1) runs beside grads(l) (NOTE [ PaReprop on two CUDA streams ]),
+# and grads(l) reads block l's Y1 (G's input) and X2 (F's input), so recover cannot rebuild in
+# their storage. It rebuilds without a graph, chunk by chunk, into new maps, and grads rebuilds
+# each chunk's graph again to backpropagate through it: one more forward of the block than
+# without chunks, in exchange for not holding two blocks' whole graphs. To hold as few maps
+# as the overlap allows, recover runs half a block late: recover(l-1) rebuilds X1 of block l
+# (= Y1 - F(X2), block l's F) and then X2 of block l-1 (Y2 - G(Y1) with Y1, Y2 of block l-1
+# being X1, X2 of block l), both independent of grads(l). Block l's X1 is not needed before:
+# grads(l) reads Y1 and X2, and only block l-1 reads X1 (as its Y1). So while grads(l) runs,
+# four stream maps are alive: block l's Y1 and X2, and the two new ones ("reversible" holds
+# two). Y1 stays until grads(l) returns, though G is done with it earlier: recover(l-1) reads it
+# on the other lane, and freeing it would let grads(l)'s lane reuse memory the other lane may
+# still read (NOTE [ Tensor lifetimes across streams ]: a block's streams are freed once their
+# last reader is queued, and that is grads(l)). The bottom block's X1 (the stack's input) is never
+# rebuilt, nor that of a block below which a stored block sits (the stored block kept its
+# inputs), except for debug_reconstruction's check; under FSDP, where only a block and the one
+# above are gathered at a time, each recover rebuilds its own X1. The gradients are rebuilt in
+# place below the top block, as under "reversible" (the block above, chunked, handed down
+# its own tensors), and the stack's outputs are released once the top block is recovered.
+# Stored blocks keep their whole graphs from forward.
 
 
 def _branch_chunking(
@@ -802,7 +825,6 @@ def _chunk_cost(
         return plan.chunk_costs[key]
     block = plan.blocks[index]
     skip = {p.untyped_storage()._cdata for p in block.parameters()}
-    skip.add(x.untyped_storage()._cdata)
     measured = []
     for units in (1, 2) if split.size >= 2 else (1,):
         chunk = Chunk(0, 2, 0, units, split.size)
@@ -812,18 +834,18 @@ def _chunk_cost(
             ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
             if ptr not in skip:
                 seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-            # Nothing is kept: the measured graph is never differentiated, and a saved tensor
-            # that is its node's own output would make a reference cycle through the graph,
-            # which holds the input's storage until the garbage collector runs.
+            # Nothing is kept: this graph is never backpropagated. Returning ``t`` would let a
+            # node hold its own output (attention saves it), a reference cycle that keeps the
+            # graph, and the stream it was cut from, alive until the garbage collector runs.
             return None
 
         rng.restore(plan.device)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # A copy, not a view of x: a memory tracker's hooks (plan_memory, memory_report)
-            # can keep the measured graph alive in a reference cycle, and it must not hold
-            # x's storage then; the copy is the chunk's input, a slice of x: no cost.
+            # A copy of one or two units, not a view: tools that hook module inputs in forward
+            # (torch's ModTracker, inside plan_memory's MemTracker) keep a leaf they saw, and
+            # a view would keep the whole stream with it.
             leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
-            skip.add(leaf.untyped_storage()._cdata)
+            skip.add(leaf.untyped_storage()._cdata)  # in the real chunk, a view of the stream
             out = _call_checked(block, name, leaf, plan.kwargs, chunk)
         measured.append(sum(seen.values()) + out.numel() * out.element_size())
         del out, leaf
@@ -848,15 +870,16 @@ def _run_chunks(
     count: int,
     rng: _RngState,
     subtract_from: Optional[Tensor] = None,
+    add_into: Optional[Tensor] = None,
     grad_out: Optional[Tensor] = None,
     grad_into: Optional[Tensor] = None,
     param_grads: Optional[List[Optional[Tensor]]] = None,
     sums: Optional[Set[int]] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
-    subtracted from ``subtract_from``; with ``grad_out`` each chunk is backpropagated at once,
-    its input gradient added into ``grad_into`` and its parameter gradients into
-    ``param_grads``, and its graph freed before the next chunk."""
+    subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk
+    is backpropagated at once, its input gradient added into ``grad_into`` and its parameter
+    gradients into ``param_grads``, and its graph freed before the next chunk."""
     block = plan.blocks[index]
     owned = plan.block_params[index]
     params = [p for _, p in owned]
@@ -873,6 +896,9 @@ def _run_chunks(
             if subtract_from is not None:
                 with torch.no_grad():
                     _chunk_input(subtract_from, split, chunk).sub_(out)
+            if add_into is not None:
+                with torch.no_grad():
+                    _chunk_input(add_into, split, chunk).add_(out)
             if grad_out is None:
                 continue
             part = _chunk_input(grad_out, split, chunk)
@@ -965,23 +991,47 @@ def _block_chunked(
 
 
 def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
-    """PaReprop's recover of a chunked block: X2 and X1 without a graph, chunk by chunk."""
-    record = plan.records[index]
+    """PaReprop's recover of a chunked block, without a graph, chunk by chunk, half a block
+    late (NOTE [ Chunked backward ]): first X1 of the block above, if it was left pending
+    (``y1`` is then that block's Y1), then this block's X2; its X1 is left pending."""
+    above = index + 1
+    if plan.pending_x1 == above:  # y1 is block above's Y1, y2 its rebuilt X2
+        y1 = _rebuild_input(plan, above, "f", y2, y1.clone())  # X1 above = Y1 here
+        plan.pending_x1 = None
+        _check_pending(plan, above, y1, y2)
     plan.keywords.check(index, plan.blocks[index])
-    beta = _plan_beta(plan, index)
+    x2 = _rebuild_input(plan, index, "g", y1, y2.clone())
+    # FSDP gathers at most this block and the one above; below a stored block nothing reads
+    # this block's X1 (the stored block kept its inputs); the bottom block's X1 is the stack's
+    # input, which nothing reads either. So X1 is left pending only where the next recover
+    # finishes it, and otherwise rebuilt now (sharded) or never (debug checks aside).
+    if plan.sharding is not None:
+        x1 = _rebuild_input(plan, index, "f", x2, y1.clone())
+        _check_pending(plan, index, x1, x2)
+        return _Rebuilt(y1, None, x2, None, x1)
+    if index > 0 and not plan.stored[index - 1]:
+        plan.pending_x1 = index
+    elif plan.records[index].inputs is not None:  # debug_reconstruction: check X1 all the same
+        _check_pending(plan, index, _rebuild_input(plan, index, "f", x2, y1.clone()), x2)
+    return _Rebuilt(y1, None, x2, None, y1)
+
+
+def _rebuild_input(plan: _Plan, index: int, name: str, x: Tensor, into: Tensor) -> Tensor:
+    """``into = (into - branch(x)) / beta`` for branch ``name`` of block ``index``, chunk by
+    chunk and without a graph: X2 from Y2 (branch G of Y1), X1 from Y1 (branch F of X2)."""
+    record = plan.records[index]
+    rng = record.f_rng if name == "f" else record.g_rng
     with torch.no_grad(), plan.autocast.replay(), plan.backends.replay(), \
             record.modes.replay(), _forward_parameters(plan, index):
-        x2 = y2.clone()
-        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
-        _run_chunks(plan, index, "g", y1, split, count, record.g_rng, subtract_from=x2)
-        _unskip_(beta, x2)
-        x1 = y1.clone()
-        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
-        _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1)
-        _unskip_(beta, x1)
-    if record.inputs is not None:
-        _check_reconstruction(plan, index, (x1, x2), record.inputs)
-    return _Rebuilt(y1, None, x2, None, x1)
+        split, count = _branch_chunking(plan, index, name, x, rng)
+        _run_chunks(plan, index, name, x, split, count, rng, subtract_from=into)
+    return _unskip_(_plan_beta(plan, index), into)
+
+
+def _check_pending(plan: _Plan, index: int, x1: Tensor, x2: Tensor) -> None:
+    inputs = plan.records[index].inputs
+    if inputs is not None:
+        _check_reconstruction(plan, index, (x1, x2), inputs)
 
 
 def _grads_chunked(
@@ -992,23 +1042,37 @@ def _grads_chunked(
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
 ) -> Tuple[Tensor, Tensor]:
-    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated."""
+    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated.
+    Below the top block the gradients are rebuilt in place, as under "reversible"."""
     if plan.sharding is not None:
         param_grads = [None] * len(plan.block_params[index])
     record, sums = plan.records[index], set()
     beta = _plan_beta(plan, index)
-    dy1_total, dx2 = dy1.clone(), _skip_(beta, dy2.clone())
+    owned = _owns_gradients(plan, index)
+    dy1_total = dy1 if owned else dy1.clone()
     with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
             _forward_parameters(plan, index):
+        # G's input Y1 stays until grads returns: recover(l-1), queued before, may still be
+        # reading it on the other lane (NOTE [ Tensor lifetimes across streams ]).
         split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
         _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
                     grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        dx2 = _skip_(beta, dy2 if owned else dy2.clone())  # G has read dY2
         split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
         _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
                     grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
-    return _skip(beta, dy1_total), dx2
+    return _skip_(beta, dy1_total), dx2
+
+
+def _owns_gradients(plan: _Plan, index: int) -> bool:
+    """Whether the gradients flowing into block ``index`` are the engine's own, to rebuild in
+    place: they are when the block above ran chunked (its gradients are written into copies
+    or into what it received), not when they come from autograd (the top block) or from a
+    stored block's whole-branch grads, which may hand back what it was given."""
+    above = index + 1
+    return above < len(plan.blocks) and plan.chunking is not None and not plan.stored[above]
 
 
 def _skip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
@@ -1286,13 +1350,13 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
 
 
-def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
+def _backward_pareprop(plan, streams, dy1, dy2, param_grads):
     lanes = _Lanes(plan.device, plan.stored)
     prefetch = None
     if plan.sharding is not None:  # NOTE [ FSDP prefetch on the waiting lane ] (pareprop/fsdp.py)
         prefetch, plan.sharding.prefetch_on = plan.sharding.prefetch_on, lanes.prefetch_on
     try:
-        dy1, dy2 = _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads)
+        dy1, dy2 = _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads)
     finally:  # the main stream must not run ahead of the side stream, even after an error
         lanes.join()
         if plan.sharding is not None:
@@ -1302,14 +1366,17 @@ def _backward_pareprop(plan, y1, y2, dy1, dy2, param_grads):
     return dy1, dy2
 
 
-def _pareprop_schedule(plan, lanes, y1, y2, dy1, dy2, param_grads):
-    # See NOTE [ Tensor lifetimes across streams ] for the two chains of events.
+def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
+    # See NOTE [ Tensor lifetimes across streams ] for the two chains of events. ``streams``
+    # (the stack's outputs) is emptied once the top block is recovered: a chunked stack holds
+    # them nowhere else, so they are freed once nothing reads them.
     last = len(plan.blocks) - 1
-    for t in (y1, y2, dy1, dy2):
+    for t in (*streams, dy1, dy2):
         lanes.from_main(t, last)
     aliases = _param_aliases(plan, last)
     with lanes.run_on(last), _aliased(plan, last, aliases):
-        rebuilt = _recover(plan, last, y1, y2)
+        rebuilt = _recover(plan, last, *streams)
+    streams.clear()
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
@@ -1378,11 +1445,12 @@ class _ReversibleFunction(torch.autograd.Function):
                 plan.records.append(_BlockRecord(None, None))
                 x1 = rebuilt.y1.detach()
                 x2 = _skip(skip_scale(block), x2) + rebuilt.g_out.detach()
+            elif plan.chunking is not None:  # NOTE [ Chunked forward ]
+                plan.graphs.append(None)
+                x1, x2 = _couple_chunked(plan, index, x1, x2, keep)
             else:
                 plan.graphs.append(None)
-                chunked = (plan, index) if plan.chunking is not None else None
-                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep,
-                                 chunked=chunked)
+                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
             if sharded:
                 plan.sharding.reshard_after_forward(index)
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
@@ -1418,7 +1486,7 @@ class _ReversibleFunction(torch.autograd.Function):
                                else plan.schedule.begin(plan.device))
         try:
             if schedule == "pareprop":
-                dx1, dx2 = _backward_pareprop(plan, *streams, dy1, dy2, param_grads)
+                dx1, dx2 = _backward_pareprop(plan, streams, dy1, dy2, param_grads)
             else:
                 dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
@@ -1476,6 +1544,8 @@ class ReversibleStack(nn.Module):
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
+        # Under autograd: each block in torch.utils.checkpoint (see set_block_checkpointing).
+        self.checkpoint_blocks = False
 
     def set_engine(self, name: str, fallback: Optional[bool] = None) -> "ReversibleStack":
         """Run backward with engine ``name``. Under ``"pareprop"`` the stack measures PaReprop
@@ -1545,18 +1615,23 @@ class ReversibleStack(nn.Module):
         chunking = "" if self.chunking is None else (
             f", chunks={self.chunking.count}" if self.chunking.count is not None
             else f", chunk_bytes={self.chunking.max_bytes}")
-        return f"engine={self.engine!r}{stored}{chunking}"
+        ckpt = ", checkpoint_blocks=True" if self.checkpoint_blocks else ""
+        return f"engine={self.engine!r}{stored}{chunking}{ckpt}"
 
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
         x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
+            # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
+            # backward hooks), as for any FSDP unit.
+            run = _call_block if self._sharding is not None else _couple
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                for block in self.blocks:
+                    x1, x2 = checkpoint(run, block, x1, x2, kwargs, use_reentrant=False)
+                return x1, x2
             for block in self.blocks:
-                # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
-                # backward hooks), as for any FSDP unit.
-                sharded = self._sharding is not None
-                x1, x2 = block(x1, x2, **kwargs) if sharded else _couple(block, x1, x2, kwargs)
+                x1, x2 = run(block, x1, x2, kwargs)
             return x1, x2
         return self._forward_reversible(x1, x2, **kwargs)
 
@@ -1763,6 +1838,31 @@ def chosen_schedule(module: nn.Module) -> Optional[str]:
     if "measuring" in states:
         return "measuring"
     return states.pop() if len(states) == 1 else "mixed"
+
+
+def _call_block(
+    block: ReversibleBlock, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]
+) -> Tuple[Tensor, Tensor]:
+    return block(x1, x2, **kwargs)
+
+
+# NOTE [ Checkpointed blocks: the competitor ]
+# What users run instead of a reversible engine is activation checkpointing: timm's
+# set_grad_checkpointing() puts each block in torch.utils.checkpoint (non-reentrant), so a
+# block keeps only its input and runs again in backward. set_block_checkpointing does the
+# same for a stack's blocks under the autograd engine, so that the benchmark and the planner
+# measure the same model, blocks and kernels under both methods (pareprop.catalog's mode
+# "checkpointed"). The reversible engines ignore it: they keep nothing of their blocks anyway.
+# RNG and autocast replay are torch.utils.checkpoint's own.
+def set_block_checkpointing(module: nn.Module, enable: bool = True) -> nn.Module:
+    """Under the ``autograd`` engine, run each block of every :class:`ReversibleStack`
+    inside ``module`` in ``torch.utils.checkpoint`` (non-reentrant), as timm's
+    ``set_grad_checkpointing()`` does for its blocks; see NOTE [ Checkpointed blocks: the
+    competitor ]. Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.checkpoint_blocks = bool(enable)
+    return module
 
 
 def set_chunking(

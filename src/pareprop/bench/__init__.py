@@ -10,7 +10,9 @@ Models come from two places:
 
 * pareprop's registry (``rev_vit_small_patch16_224``, ``text_encoder_base``, ...). Models that
   contain a :class:`~pareprop.engine.ReversibleStack` run the engines ``autograd``,
-  ``reversible`` and ``pareprop``; registry models without one are baselines like timm's.
+  ``reversible`` and ``pareprop``, and ``checkpointed``: the same blocks under autograd, each
+  in ``torch.utils.checkpoint`` (the competitor on the very same model); registry models
+  without one are baselines like timm's.
 * timm's registry (``vit_base_patch16_224``, ``mvitv2_base``, ...): the standard baselines,
   which run ``plain`` (autograd) and ``checkpointed`` (timm's ``set_grad_checkpointing()``).
 

@@ -172,14 +172,17 @@ def default_config() -> BenchConfig:
     """The small CPU sweep behind ``pareprop bench`` with no options.
 
     A Rev-ViT-Ti stack (dim 192, 3 heads) at depths 4, 12 and 24 on 128x128 inputs (64 patch
-    tokens) at batches 4 and 16, with the three engines, on one CPU thread (steadier on a shared
-    machine). At batch 16 the activations autograd keeps outweigh parameters, gradients and
-    AdamW state (1.7x at depth 24), as they do when a model does not fit a GPU, so the whole
-    step's peak shows what reversibility saves; reversible costs about one extra forward.
+    tokens) at batches 4 and 16, with the three engines and the competitor, the same blocks
+    checkpointed (``checkpointed``: autograd with each block in ``torch.utils.checkpoint``, as
+    timm's ``set_grad_checkpointing()``), on one CPU thread (steadier on a shared machine). At
+    batch 16 the activations autograd keeps outweigh parameters, gradients and AdamW state
+    (1.7x at depth 24), as they do when a model does not fit a GPU, so the whole step's peak
+    shows what reversibility saves; reversible and checkpointing each cost about one extra
+    forward.
     """
     return BenchConfig(
         models=("rev_vit_tiny_patch16_224",),
-        engines=ENGINES,
+        engines=(*ENGINES, "checkpointed"),
         batch_sizes=(4, 16),
         depths=(4, 12, 24),
         img_size=128,

@@ -15,8 +15,7 @@ from pareprop.bench.cpu_memory import _can_reset_rss
 from pareprop.bench.fields import BASELINE_ENGINES, REVERSIBLE_ENGINES
 from pareprop.bench.isolate import _measure_subprocess
 from pareprop.bench.measure import _empty_record, _Job, measure
-from pareprop.catalog import engine_budgets, engines_for, model_facts
-from pareprop.engine import ENGINES
+from pareprop.catalog import REVERSIBLE_MODEL_ENGINES, engine_budgets, engines_for, model_facts
 
 __all__ = ["run_bench"]
 
@@ -27,7 +26,8 @@ def sweep_jobs(config: BenchConfig) -> List[_Job]:
     for name in config.models:
         engines = engines_for(name, config.engines)
         if not engines:
-            valid = ENGINES if model_facts(name).reversible else BASELINE_ENGINES
+            valid = (REVERSIBLE_MODEL_ENGINES if model_facts(name).reversible
+                     else BASELINE_ENGINES)
             raise ValueError(
                 f"expected an engine that applies to {name!r} ({', '.join(valid)}), "
                 f"got {', '.join(config.engines)}"

@@ -1,8 +1,9 @@
 """``pareprop bench``: step time and memory of every engine, against standard models.
 
 With no options it runs a small CPU-sized sweep (a Rev-ViT-Ti stack at depths 4, 12, 24 and
-batches 4 and 16 with the three engines, sized so that activations dominate the step's memory)
-that shows the claim in about three minutes; every option overrides one part of that sweep.
+batches 4 and 16 with the three engines and the same blocks checkpointed, sized so that
+activations dominate the step's memory) that shows the claim in about two minutes; every option
+overrides one part of that sweep.
 See docs/benchmarks.md.
 
 Examples::
@@ -78,16 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pareprop bench",
         description="Measure training-step time and memory of every engine (autograd, "
-        "reversible, pareprop) and of standard timm baselines (plain, checkpointed). "
-        "With no options: a small CPU sweep of a Rev-ViT-Ti stack at depths 4, 12, 24, "
-        "batches 4 and 16, 128 px.",
+        "reversible, pareprop), of the same reversible model checkpointed (checkpointed) and "
+        "of standard timm baselines (plain, checkpointed). With no options: a small CPU sweep "
+        "of a Rev-ViT-Ti stack at depths 4, 12, 24, batches 4 and 16, 128 px, with "
+        "autograd, reversible, pareprop and checkpointed.",
     )
     p.add_argument("--models", nargs="+", metavar="NAME",
                    help="pareprop registry names (rev_vit_small_patch16_224, text_encoder_base, "
                    "...) and timm names for baselines (vit_base_patch16_224, mvitv2_base, ...)")
     p.add_argument("--engines", nargs="+", metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)}; each model runs those that apply "
-                   "(plain/checkpointed: models without a reversible stack)")
+                   "(plain: models without a reversible stack; checkpointed: their blocks "
+                   "under torch.utils.checkpoint, or a reversible model's under autograd)")
     p.add_argument("--memory-budgets", nargs="+", type=_fraction, metavar="F",
                    help="memory budgets from 0 (every block recomputed) to 1 (every block "
                    "stored) for the reversible engines, each chosen on the benchmarked batch")
@@ -221,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(ratios)
     headline = bench.format_headline(records)
     if headline and not interrupted:
-        print("\n" + headline + "  (reversible vs autograd; peak: the whole step, planned)")
+        print("\n" + headline + "  (peak: the whole step; largest batch: planned)")
     print(f"\nwrote {paths['json']}, {paths['csv']} and {len(paths['plots'])} plot(s) in "
           f"{args.out}")
     if interrupted:

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from pareprop.engine import set_engine
+from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
     amp_dtype,
@@ -35,15 +35,23 @@ __all__ = ["memory_report", "apply_engine"]
 
 
 def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
-    """Put ``model`` on ``engine``: a reversible engine, ``plain`` or ``checkpointed`` (timm's)."""
+    """Put ``model`` on ``engine``: a reversible engine, ``plain`` or ``checkpointed`` (timm's
+    ``set_grad_checkpointing()``; for a model with reversible stacks, the autograd engine with
+    each block checkpointed, :func:`pareprop.engine.set_block_checkpointing`)."""
     if engine is None or engine == "plain":
         return
+    stacks = any(isinstance(m, ReversibleStack) for m in model.modules())
     if engine == "checkpointed":
-        if not hasattr(model, "set_grad_checkpointing"):
+        if stacks:
+            set_engine(model, "autograd")
+            set_block_checkpointing(model, True)
+        if hasattr(model, "set_grad_checkpointing"):  # timm's blocks, or the transitions
+            model.set_grad_checkpointing(True)
+        elif not stacks:
             raise ValueError(f"engine 'checkpointed' needs set_grad_checkpointing(); "
                              f"{type(model).__name__} has none")
-        model.set_grad_checkpointing(True)
         return
+    set_block_checkpointing(model, False)
     set_engine(model, engine)
 
 
@@ -97,8 +105,8 @@ def memory_report(
         model: a model in training mode, on its device (its outputs, or their first element
             or ``"logits"``, are the logits of a cross-entropy loss).
         inputs: a tensor or a tuple of tensors for ``model(*inputs)``.
-        engine: ``autograd``, ``reversible``, ``pareprop``, ``plain`` or ``checkpointed``;
-            ``None`` keeps the model's.
+        engine: ``autograd``, ``reversible``, ``pareprop``, ``plain`` or ``checkpointed``
+            (see :func:`apply_engine`); ``None`` keeps the model's.
         optimizer: ``adamw`` (default), ``adam``, ``sgd`` (momentum) or ``none``.
         amp: ``None``/``"none"``, ``"bf16"``, ``"fp16"`` or a dtype: autocast of the forward.
 
