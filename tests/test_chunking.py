@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import pareprop
+import test_grad_checkpointing as gc_tests
 from pareprop import chunking
 from pareprop import engine as engine_module
-from pareprop.testing import engine_errors, worst_error
+from pareprop.layers import recompute
+from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model, float64  # noqa: F401 - autouse fixture
 
 ENGINES = ("reversible", "pareprop")
@@ -262,3 +264,95 @@ def test_skip_scale_with_chunks(count):
     report = engine_errors(model, model.example_inputs(4, dtype=torch.float64), engines=ENGINES)
     engine, key, err = worst_error(report)
     assert err < TOL, f"chunks={count}: {engine} {key} relative error {err:.3e}"
+
+
+# -- Checkpointed blocks in chunks (NOTE [ Checkpointed blocks in chunks ]) ------------------
+
+# Rev-MViTv2's transitions (drop-path on) split over samples; Rev-Swin's merging over samples
+# and its fusion over the 15 rows of an odd 30 px map. Batch 8: 7 chunks leave an uneven one.
+CHECKPOINTED = {"mvit": "rev_mvitv2_tiny_32", "swin": "rev_swin_tiny_32"}
+
+
+def _spy_checkpoint_chunks(monkeypatch):
+    """Record (block class, split size, count) of every block checkpointed in chunks."""
+    seen = []
+    real = recompute._checkpoint_chunks
+
+    def spy(module, parts, join, split, count):
+        seen.append((type(module).__name__, split.size, count))
+        return real(module, parts, join, split, count)
+
+    monkeypatch.setattr(recompute, "_checkpoint_chunks", spy)
+    return seen
+
+
+def _checkpointed_errors(name, engine, count, max_bytes=None):
+    """Relative errors of a checkpointed, chunked model against plain autograd (float64)."""
+    want = gc_tests._step(gc_tests._model(name, engine="autograd"), _x(name))
+    model = gc_tests._model(name, engine=engine)
+    model.set_grad_checkpointing()
+    pareprop.set_chunking(model, chunks=count, max_bytes=max_bytes)
+    got = gc_tests._step(model, _x(name))
+    bad = gc_tests._gradient_errors(got[2], want[2])
+    for key, a, b in (("output", got[0], want[0]), ("input", got[1], want[1])):
+        if not relative_error(a, b) < TOL:
+            bad[key] = relative_error(a, b)
+    return bad
+
+
+def _x(name):
+    torch.manual_seed(3)
+    return gc_tests._model(name).example_inputs(BATCH, dtype=torch.float64)[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("family", list(CHECKPOINTED))
+@pytest.mark.parametrize("count", COUNTS)
+def test_checkpointed_blocks_in_chunks_equal_plain_autograd(family, count, engine, monkeypatch):
+    seen = _spy_checkpoint_chunks(monkeypatch)
+    bad = _checkpointed_errors(CHECKPOINTED[family], engine, count)
+    assert not bad, f"{family} chunks={count} {engine}: {bad}"
+    if count == 1:
+        assert seen == []
+        return
+    blocks = {"mvit": {"MViTTransitionBlock"}, "swin": {"PatchMerging", "StreamFusion"}}[family]
+    assert {cls for cls, _, _ in seen} == blocks
+    assert all(c == min(count, size) for _, size, c in seen)
+    if count == 7:
+        assert any(size % c for _, size, c in seen)  # an uneven last chunk
+
+
+def test_checkpointed_chunks_draw_the_whole_blocks_drop_path():
+    # The test above can fail: a chunk that drew its own masks (no generator state put back
+    # before it) changes the transitions' drop-path, so output and gradients differ.
+    name = CHECKPOINTED["mvit"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, "_set_rng_state", lambda state, device: None)
+        bad = _checkpointed_errors(name, "reversible", 3)
+    assert bad.get("output", 0) > 1e-3, bad
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_checkpointed_blocks_chunked_by_bytes(engine, monkeypatch):
+    seen = _spy_checkpoint_chunks(monkeypatch)
+    bad = _checkpointed_errors(CHECKPOINTED["mvit"], engine, None, max_bytes=10**12)
+    assert not bad and seen == []  # everything fits: whole blocks
+    bad = _checkpointed_errors(CHECKPOINTED["mvit"], engine, None, max_bytes="8KiB")
+    assert not bad, bad
+    assert seen and all(count > 1 for _, _, count in seen)
+
+
+def test_blocks_without_a_split_are_checkpointed_whole_under_chunking(monkeypatch):
+    # Rev-MViT (v1) transitions declare no split: checkpointed whole, still exact.
+    seen = _spy_checkpoint_chunks(monkeypatch)
+    name = "rev_mvit_base"
+    torch.manual_seed(3)
+    x = gc_tests._model(name).example_inputs(2, dtype=torch.float64)[0]
+    want = gc_tests._step(gc_tests._model(name, engine="autograd"), x)
+    model = gc_tests._model(name, engine="reversible")
+    model.set_grad_checkpointing()
+    pareprop.set_chunking(model, chunks=2)
+    got = gc_tests._step(model, x)
+    assert relative_error(got[0], want[0]) < TOL
+    assert not gc_tests._gradient_errors(got[2], want[2])
+    assert seen == []

@@ -7,6 +7,7 @@ import torch
 
 import pareprop
 from pareprop.catalog import ModelRequest, build_model, example_inputs
+from pareprop.layers import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
 
 ENGINES = ("autograd", "reversible", "pareprop")
@@ -21,9 +22,11 @@ FAMILIES = {
 }
 
 
-def _real(name, engine, batch, amp=None, chunk_bytes=None, **overrides):
+def _real(name, engine, batch, amp=None, chunk_bytes=None, grad_checkpointing=False,
+          **overrides):
     """memory_report of a really built model with the inputs plan_memory makes."""
-    request = ModelRequest(model=name, engine=engine, num_classes=10)
+    request = ModelRequest(model=name, engine=engine, num_classes=10,
+                           grad_checkpointing=grad_checkpointing)
     request.seq_len = overrides.pop("seq_len", None)
     request.depth = overrides.pop("depth", None)
     request.img_size = overrides.pop("img_size", None)
@@ -65,6 +68,22 @@ def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
     # the floor: fixed parts and eight maps of the largest stack's stream, the same either way
     assert plan.floor == whole.floor == real.floor
     assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
+
+
+@pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32", "rev_swin_tiny_32"])
+def test_checkpointed_blocks_in_chunks_plan_as_they_run_and_plan_less(name, monkeypatch):
+    # NOTE [ Checkpointed blocks in chunks ]: with chunking and --grad-checkpointing on, the
+    # checkpointed blocks recompute chunk by chunk; the plan follows the real step.
+    overrides = dict(FAMILIES[name])
+    kw = dict(chunk_bytes=16 * 2**10, grad_checkpointing=True)
+    real = _real(name, "reversible", 8, **kw, **dict(overrides))
+    plan = plan_memory(name, 8, "reversible", device="cpu", num_classes=10, **kw, **overrides)
+    assert plan.peak == pytest.approx(real.peak, rel=0.02)
+    # The same plan with those blocks checkpointed whole peaks higher where a transition's
+    # recomputation sets the peak (Rev-MViTv2), and no lower anywhere.
+    monkeypatch.setattr(recompute, "checkpoint_chunk_count", lambda *a: (1, None))
+    whole = plan_memory(name, 8, "reversible", device="cpu", num_classes=10, **kw, **overrides)
+    assert plan.peak < whole.peak if name.startswith("rev_mvit") else plan.peak <= whole.peak
 
 
 def test_auto_chunking_plans_the_lowest_peak_and_largest_batch_passes_it_on():

@@ -448,6 +448,7 @@ def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
     beta = skip_scale(block)
     split, count = _branch_chunking(plan, index, name, x, rng)
     if split is None or count == 1:  # as _couple does it
+        rng.restore(plan.device)  # measuring the chunk cost (chunking by bytes) has drawn
         return _skip(beta, skip) + _call_checked(block, name, x, plan.kwargs)
     out = skip.clone() if beta is None else beta * skip
     _run_chunks(plan, index, name, x, split, count, rng, add_into=out)

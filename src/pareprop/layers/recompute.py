@@ -1,5 +1,5 @@
 """Activation checkpointing of the blocks that are not reversible (timm's
-``set_grad_checkpointing``).
+``set_grad_checkpointing``), whole or in chunks.
 
 # NOTE [ Checkpointing what is not reversible ]
 # A reversible stack keeps nothing of its blocks; what the hierarchical models keep after
@@ -10,24 +10,187 @@
 # Under ``set_grad_checkpointing()`` they run in torch.utils.checkpoint (non-reentrant): they
 # keep their input, which is a stage end the engines keep anyway, and run again in backward,
 # with the same RNG state (drop-path) and autocast state as in forward.
+#
+# NOTE [ Checkpointed blocks in chunks ]
+# With the branches chunked (set_chunking), the recomputation of one checkpointed block is
+# what sets the peak of Rev-MViTv2-B's step: a stage transition rebuilds pooling attention at
+# the previous stage's resolution (qkv, three attention maps per head) for the whole batch.
+# Such a block acts on each sample alone (LayerNorm, attention, pooling and the MLP stay inside
+# a sample), and Rev-Swin's stream fusion on each token alone, so it can be recomputed and
+# differentiated a slice at a time with exactly the whole block's result. A block that can
+# declares ``split(x)`` (a :class:`pareprop.chunking.Split`) and ``forward_chunk(x, chunk)``
+# (the block on the chunk's slice of its input, giving that slice of its output along the same
+# dim, its random draws told which slice of the whole draw is theirs); the stage hands over its
+# stack's chunking. Forward then runs each chunk under its own non-reentrant checkpoint from
+# one slice of ``x.split`` and joins the outputs: in backward the autograd engine runs the
+# chunks one after the other (a later chunk's nodes come first in its order, and a chunk's
+# nodes all precede the next one's), each recomputed when its first saved tensor is needed
+# and freed as its backward proceeds, so one chunk's graph is alive at a time. The split's
+# backward joins the chunks' input gradients once, at the end.
+# Randomness is exact as in the reversible blocks (NOTE [ Exact randomness in chunks ]): the
+# generator state is put back before every chunk, so each chunk draws the whole block's masks
+# and takes its slice, torch's checkpoint replays that same state in backward, and after the
+# last chunk the generator stands where the whole block leaves it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["maybe_checkpoint"]
+from pareprop.chunking import Chunk, Chunking, Split, chunks
+
+__all__ = ["maybe_checkpoint", "checkpoint_chunk_count"]
+
+# Measured chunk costs of chunking by bytes, per module and input (not state).
+_COSTS: "WeakKeyDictionary[nn.Module, Dict[Any, Tuple[float, float]]]" = WeakKeyDictionary()
 
 
-def maybe_checkpoint(module: Optional[nn.Module], x: torch.Tensor, enabled: bool) -> torch.Tensor:
+def maybe_checkpoint(
+    module: Optional[nn.Module],
+    x: Union[torch.Tensor, Sequence[torch.Tensor]],
+    enabled: bool,
+    chunking: Optional[Chunking] = None,
+    join: Optional[Callable[..., torch.Tensor]] = None,
+) -> torch.Tensor:
     """``module(x)``, under ``torch.utils.checkpoint`` when ``enabled`` and autograd records
-    (in eval or under ``no_grad`` there is nothing to save); ``x`` when ``module`` is None."""
+    (in eval or under ``no_grad`` there is nothing to save); ``x`` when ``module`` is None.
+    With ``chunking`` (the stage's stack's) a module that declares ``split`` and
+    ``forward_chunk`` is checkpointed in chunks (NOTE [ Checkpointed blocks in chunks ]).
+    With ``join``, ``x`` is a sequence of tensors and the module's input is ``join(*x)``,
+    made inside the checkpoint: the checkpoint keeps the parts (a stack's two output streams,
+    which the stack keeps anyway), not a joined copy of them."""
+    parts = tuple(x) if join is not None else (x,)
+    join = join if join is not None else _first
     if module is None:
-        return x
+        return join(*parts)
     if enabled and torch.is_grad_enabled() and not torch.jit.is_scripting():
-        return checkpoint(module, x, use_reentrant=False)
-    return module(x)
+        count, split = checkpoint_chunk_count(module, parts, chunking, join)
+        if count > 1:
+            return _checkpoint_chunks(module, parts, join, split, count)
+        return checkpoint(_Joined(module, join), *parts, use_reentrant=False)
+    return module(join(*parts))
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _Joined:
+    """``module(join(*parts))``, or ``module.forward_chunk(join(*parts), chunk)``."""
+
+    def __init__(self, module: nn.Module, join: Callable[..., torch.Tensor],
+                 chunk: Optional[Chunk] = None):
+        self.module, self.join, self.chunk = module, join, chunk
+
+    def __call__(self, *parts: torch.Tensor) -> torch.Tensor:
+        if self.chunk is None:
+            return self.module(self.join(*parts))
+        return self.module.forward_chunk(self.join(*parts), self.chunk)
+
+
+def checkpoint_chunk_count(
+    module: nn.Module,
+    parts: Sequence[torch.Tensor],
+    chunking: Optional[Chunking],
+    join: Callable[..., torch.Tensor] = _first,
+) -> Tuple[int, Optional[Split]]:
+    """How many chunks ``module`` is checkpointed in for input ``join(*parts)`` under
+    ``chunking``: 1 when chunking is off or the module declares no split; else the chunking's
+    count, or the fewest chunks whose graph saves at most its ``max_bytes`` (measured once per
+    input). The module's ``split`` sees the first part, which splits along the same axis as
+    the joined input (samples, or rows of a map)."""
+    split = getattr(module, "split", None)
+    if chunking is None or split is None:
+        return 1, None
+    split = split(parts[0])
+    if not isinstance(split, Split):
+        raise TypeError(f"{type(module).__name__}.split must return a pareprop.chunking.Split, "
+                        f"got {type(split).__name__}")
+    if chunking.count is not None:
+        return chunking.count_for(split.size), split
+    return chunking.count_for(split.size, *_chunk_cost(module, parts, join, split)), split
+
+
+def _rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: Tuple[torch.Tensor, Optional[torch.Tensor]],
+                   device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _split(x: torch.Tensor, split: Split, pieces: List[Chunk]) -> Tuple[torch.Tensor, ...]:
+    rows = x.shape[split.dim] // split.size
+    return x.split([c.length * rows for c in pieces], dim=split.dim)
+
+
+def _checkpoint_chunks(module: nn.Module, parts: Sequence[torch.Tensor],
+                       join: Callable[..., torch.Tensor], split: Split,
+                       count: int) -> torch.Tensor:
+    pieces = chunks(split.size, count)
+    device = parts[0].device
+    state = _rng_state(device)
+    outs = []
+    for chunk, *sliced in zip(pieces, *(_split(p, split, pieces) for p in parts)):
+        _set_rng_state(state, device)  # every chunk draws what the whole block drew
+        outs.append(checkpoint(_Joined(module, join, chunk), *sliced, use_reentrant=False))
+    return torch.cat(outs, dim=split.dim)
+
+
+def _autocast_key(device_type: str) -> Tuple[Any, ...]:
+    try:  # torch >= 2.4
+        return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+                     for t in sorted({"cpu", device_type}))
+    except (TypeError, RuntimeError):  # a device type without autocast (meta)
+        return (torch.is_autocast_enabled(),)
+
+
+def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
+                join: Callable[..., torch.Tensor], split: Split) -> Tuple[float, float]:
+    """(fixed, per unit) bytes saved by the graph of one chunk, measured on chunks of one and
+    two units (as the engine measures a branch's chunks)."""
+    x = parts[0]
+    key = (tuple(tuple(p.shape) for p in parts), x.dtype, _autocast_key(x.device.type))
+    costs = _COSTS.setdefault(module, {})
+    if key in costs:
+        return costs[key]
+    skip = {p.untyped_storage()._cdata for p in module.parameters()}
+    state = _rng_state(x.device)
+    measured = []
+    for units in (1, 2) if split.size >= 2 else (1,):
+        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+
+        def pack(t: torch.Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> None:
+            ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
+            if ptr not in skip:
+                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
+            # Nothing is kept: the measured graph is never differentiated, and a saved tensor
+            # that is its node's own output would make a reference cycle through the graph,
+            # which holds the input's storage until the garbage collector runs.
+            return None
+
+        chunk = Chunk(0, 2, 0, units, split.size)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # Copies, not views of the parts: a memory tracker's hooks (plan_memory,
+            # memory_report) can keep the measured graph alive in a reference cycle, and it
+            # must not hold the parts' storage then. A chunk's parts are slices of the parts
+            # kept anyway: no cost.
+            leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
+                      .detach().clone().requires_grad_(True) for p in parts]
+            skip.update(t.untyped_storage()._cdata for t in leaves)
+            out = _Joined(module, join, chunk)(*leaves)
+        measured.append(sum(seen.values()) + out.numel() * out.element_size())
+        del out, leaves
+    _set_rng_state(state, x.device)  # the measurement drew nothing, as far as forward knows
+    per_unit = measured[-1] - measured[0] if len(measured) == 2 else measured[0]
+    costs[key] = (float(max(measured[0] - per_unit, 0)), float(max(per_unit, 1)))
+    return costs[key]

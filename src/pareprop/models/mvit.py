@@ -297,12 +297,22 @@ class MViTTransitionBlock(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_chunk(x, None)
+
+    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
+    # pareprop/layers/recompute.py): LayerNorm, pooling attention, the pooled shortcut and the
+    # MLP all stay inside a sample.
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
+        """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
         if self.fuse is not None:
-            x = x + self.fuse(x)
+            x = x + self.fuse(x, chunk, dim=0)
         a = self.attn(self.norm1(x))  # (B, H', W', C)
         shortcut = self.pool_skip(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H', W', C)
-        x = shortcut + self.drop_path1(a)
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
+        return x + drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk, dim=0), chunk, dim=0)
 
 
 class MViTStage(nn.Module):
@@ -317,7 +327,9 @@ class MViTStage(nn.Module):
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = maybe_checkpoint(self.transition, x, self.grad_checkpointing)
+        # The transition recomputes in chunks as the stack's branches do (set_chunking).
+        chunking = None if self.stack is None else self.stack.chunking
+        x = maybe_checkpoint(self.transition, x, self.grad_checkpointing, chunking)
         if self.stack is not None:
             B, H, W, C = x.shape
             t = x.reshape(B, H * W, C)  # (B, N, C)

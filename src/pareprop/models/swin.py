@@ -155,6 +155,14 @@ class PatchMerging(nn.Module):
         x = x.reshape(B, H // 2, W // 2, 4 * C)  # (B, H/2, W/2, 4C)
         return self.reduction(self.norm(x))
 
+    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
+    # pareprop/layers/recompute.py); nothing random.
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return self(x)
+
 
 class StreamFusion(nn.Module):
     """Fuse the two concatenated reversible streams (2C) back to C channels before merging."""
@@ -166,6 +174,18 @@ class StreamFusion(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm(x))
+
+    # Checkpointed in chunks of rows of the (B, H, W, 2C) map (NOTE [ Checkpointed blocks in
+    # chunks ] in pareprop/layers/recompute.py): LayerNorm and MLP act on each token alone.
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return self.mlp(self.norm(x), chunk, dim=1)
+
+
+def _join_streams(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
 
 
 class RevSwinBlock(ReversibleBlock):
@@ -323,12 +343,18 @@ class RevSwinStage(nn.Module):
         return self._mask_cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = maybe_checkpoint(self.downsample, x, self.grad_checkpointing)
+        # Merging and fusion recompute in chunks as the stack's branches do (set_chunking).
+        chunking = self.blocks.chunking
+        x = maybe_checkpoint(self.downsample, x, self.grad_checkpointing, chunking)
         # Handed to every block as stack keywords: the engine replays F with exactly these
         # masks when it recomputes in backward.
         x1, x2 = self.blocks(x, x, **self._masks(x.shape[1], x.shape[2], x.device))
-        x = torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
-        return maybe_checkpoint(self.fuse, x, self.grad_checkpointing)  # (B, H, W, C) if fused
+        if self.fuse is None:
+            return torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
+        # Joined inside the checkpoint: it keeps the two streams, which the stack keeps anyway,
+        # not their concatenation (B, H, W, 2C) beside them.
+        return maybe_checkpoint(self.fuse, (x1, x2), self.grad_checkpointing, chunking,
+                                join=_join_streams)  # (B, H, W, C)
 
 
 class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
