@@ -12,3 +12,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def float64_seeded():
+    """float64 as the default dtype and seed 0, for modules that compare engines exactly
+    (``pytestmark = pytest.mark.usefixtures("float64_seeded")``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(previous)

@@ -48,13 +48,7 @@ class Model(nn.Module):
         return torch.cat([y1, y2], dim=-1)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
 
 
 def _assert_agree(report, tol=TOL):

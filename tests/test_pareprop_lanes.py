@@ -44,13 +44,7 @@ class Model(nn.Module):
         return torch.cat(self.stack(x, x), dim=-1)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("stored, lanes", [
