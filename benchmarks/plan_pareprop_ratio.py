@@ -22,6 +22,9 @@ def main() -> None:
                         help="scale the chunk size so that it is --chunk-bytes at this batch")
     parser.add_argument("--chunk-bytes", default="1GiB")
     args = parser.parse_args()
+    if args.batch_size < 1 or args.chunk_at < 1:
+        parser.error(f"expected a batch size and --chunk-at of at least 1, got "
+                     f"{args.batch_size} and {args.chunk_at}")
     chunk = parse_memory(args.chunk_bytes) * args.batch_size // args.chunk_at
     varying = {}
     for engine in ("reversible", "pareprop"):
