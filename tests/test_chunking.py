@@ -12,7 +12,9 @@ from pareprop import chunking
 from pareprop import engine as engine_module
 from pareprop.layers import recompute
 from pareprop.testing import engine_errors, relative_error, worst_error
-from test_engine import DIM, TOL, Model, float64  # noqa: F401 - autouse fixture
+from test_engine import DIM, TOL, Model
+
+pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
 
 ENGINES = ("reversible", "pareprop")
 COUNTS = (1, 2, 3, 7)

@@ -10,7 +10,9 @@ import torch
 import pareprop
 from pareprop import engine as engine_module
 from pareprop.testing import engine_errors, relative_error, worst_error
-from test_engine import DIM, TOL, MixerBlock, Model, float64  # noqa: F401 - autouse fixture
+from test_engine import DIM, TOL, MixerBlock, Model
+
+pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
 
 ENGINES = ("reversible", "pareprop")
 
