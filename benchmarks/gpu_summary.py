@@ -22,6 +22,10 @@ per sweep (``vit``, ``mvit``, ``swin``, ``text``) with ``sweep.json`` (written b
 * against timm's checkpointed model: the reversible engines' step time over its at the
   largest batch all three ran, and the largest batch each ran (the moonshot: faster than
   checkpointing at equal batch, and more of it);
+* chunked branches (sweeps run with ``gpu_sweep.py --chunk-bytes``, whose records are in
+  ``reversible_chunked/`` and ``pareprop_chunked/``): the chunk size, each chunked engine's step
+  time and peak over the same engine's with whole branches at the largest batch both ran, and
+  the largest batch each ran;
 * the issue's targets, each ``met``, ``NOT MET`` or ``unknown`` (not measured, or the sweep
   cannot decide it), then every failed configuration.
 
@@ -51,6 +55,8 @@ __all__ = [
 ]
 
 ENGINES = ("plain", "checkpointed", "autograd", "reversible", "pareprop")
+CHUNKED_SUFFIX = "_chunked"  # benchmarks/gpu_sweep.py: an engine run with --chunk-bytes
+CHUNKED = ("reversible", "pareprop")  # the engines that have a chunked run
 SWEEPS = ("vit", "mvit", "swin", "text")
 # The issue's targets for the first GPU run.
 SPEEDUP_SWEEPS = ("mvit", "swin")  # PaReprop/Reprop at best batch matters most on these
@@ -94,6 +100,10 @@ class Figures:
     # (batch, reversible's step time / checkpointed's, pareprop's / checkpointed's), at the
     # largest batch the three ran; a ratio is None where that engine did not run there
     vs_checkpointed: Optional[Tuple[int, Optional[float], Optional[float]]] = None
+    # engine -> (batch, chunked step time / whole, chunked peak / whole or None, chunk_bytes,
+    # chunked largest batch): at the largest batch both ran, for each engine with a chunked run
+    vs_whole: Dict[str, Tuple[int, float, Optional[float], Any, Tuple[int, bool]]] = field(
+        default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +148,8 @@ def load_sweeps(out_dir: str) -> List[Sweep]:
         sweep = Sweep(name, meta["label"], meta["model"], meta["baseline"], meta["engines"])
         for engine in sweep.engines:
             records, notes = _read_records(os.path.join(folder, engine))
+            if engine.endswith(CHUNKED_SUFFIX):  # their records name the engine they ran
+                records = [dict(r, engine=engine) for r in records]
             sweep.records += records
             sweep.notes += notes
         sweeps.append(sweep)
@@ -218,7 +230,26 @@ def analyse(sweep: Sweep) -> Figures:
     # Records from before alloc_retries/schedule existed have neither: read with .get().
     retries = {e: _count(ok[e][largest[e][0]].get("alloc_retries")) for e in ran}
     return Figures(equal_batch, at_equal, best, largest, speedup, vs_autograd, batch_ratio,
-                   counts, errors, retries, _vs_reprop(ok), _vs_checkpointed(ok))
+                   counts, errors, retries, _vs_reprop(ok), _vs_checkpointed(ok),
+                   _vs_whole(ok, oom))
+
+
+def _vs_whole(ok: Dict[str, Dict[int, Record]], oom: Dict[str, List[int]],
+              ) -> Dict[str, Tuple[int, float, Optional[float], Any, Tuple[int, bool]]]:
+    out = {}
+    for engine in CHUNKED:
+        chunked, whole = ok.get(engine + CHUNKED_SUFFIX, {}), ok.get(engine, {})
+        common = set(chunked) & set(whole)
+        if not common:
+            continue
+        bs = max(common)
+        c, w = chunked[bs], whole[bs]
+        peaks = _number(c.get("peak_mem_bytes")), _number(w.get("peak_mem_bytes"))
+        peak = peaks[0] / peaks[1] if None not in peaks and peaks[1] else None
+        top = max(chunked)
+        out[engine] = (bs, _time_ratio(c, w), peak, c.get("chunk_bytes"),
+                       (top, any(b > top for b in oom.get(engine + CHUNKED_SUFFIX, []))))
+    return out
 
 
 def _count(x: Any) -> Optional[int]:
@@ -454,6 +485,17 @@ def format_summary(sweeps: Sequence[Sweep],
                                                           "pareprop"))))
     parts.append("against timm's checkpointed model: step time at the largest batch all three "
                  "ran (< 1: faster), largest batch that ran\n" + _align(rows))
+
+    rows = [("model", "engine", "chunk", "bs", "time chunked/whole", "peak chunked/whole",
+             "largest: whole", "chunked")]
+    for s, f in zip(sweeps, figures):
+        for engine, (bs, time_ratio, peak, chunk, top) in f.vs_whole.items():
+            rows.append((s.label, engine, _size(chunk) if isinstance(chunk, int) else str(chunk),
+                         str(bs), f"{time_ratio:.2f}", "-" if peak is None else f"{peak:.2f}",
+                         _bound(f.largest.get(engine)), _bound(top)))
+    if len(rows) > 1:
+        parts.append("chunked branches against whole ones: at the largest batch both ran "
+                     "(< 1: less), largest batch that ran\n" + _align(rows))
 
     verdicts = targets(sweeps, figures)
     width = max(len(v) for v, _ in verdicts)

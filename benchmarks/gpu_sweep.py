@@ -22,7 +22,13 @@ NOTE [ Why one bench call per engine ]
     to ``DIR/<engine>/results.jsonl``, so even an engine cut off while writing its results
     leaves its data.
 
-Writes ``DIR/sweep.json`` (label, models, engines, budget) for ``benchmarks/gpu_summary.py``.
+With ``--chunk-bytes SIZE`` the reversible model also runs as ``reversible_chunked`` and
+``pareprop_chunked``: the same engines with each block's branches rebuilt and differentiated in
+chunks (``pareprop bench --chunk-bytes SIZE``, records name the size in ``chunk_bytes``), into
+``DIR/reversible_chunked/`` and ``DIR/pareprop_chunked/``, after the whole-branch engines.
+
+Writes ``DIR/sweep.json`` (label, models, engines, budget, chunk size) for
+``benchmarks/gpu_summary.py``.
 Exit status: 0 when every engine's bench call ran (configurations may be out of memory or
 skipped for time), 1 when one failed.
 """
@@ -44,7 +50,9 @@ from pareprop.bench import stop as bench_stop  # noqa: E402
 
 BASELINE_ENGINES = ("plain", "checkpointed")
 REVERSIBLE_MODEL_ENGINES = ("autograd", "reversible", "pareprop")
-ENGINE_ORDER = BASELINE_ENGINES + REVERSIBLE_MODEL_ENGINES
+CHUNKED_SUFFIX = "_chunked"  # an engine run with --chunk-bytes, in its own folder
+CHUNKED_ENGINES = ("reversible" + CHUNKED_SUFFIX, "pareprop" + CHUNKED_SUFFIX)
+ENGINE_ORDER = BASELINE_ENGINES + REVERSIBLE_MODEL_ENGINES + CHUNKED_ENGINES
 SOFT_FRACTION = 0.6  # of an engine's share: start no configuration after this
 MIN_SHARE_S = 3.0  # an engine left less than this is not started
 WRITE_MARGIN_S = 2.0  # kept back at the end for the last engine's results and plots
@@ -66,10 +74,19 @@ def soft_budget(share_s: float) -> float:
 
 
 def bench_argv(model: str, engine: str, budget_s: float, out_dir: str,
-               bench_args: Sequence[str]) -> List[str]:
-    """The ``pareprop bench`` command line (after ``pareprop``) for one engine."""
+               bench_args: Sequence[str], chunk_bytes: Optional[str] = None) -> List[str]:
+    """The ``pareprop bench`` command line (after ``pareprop``) for one engine.
+
+    A ``*_chunked`` engine is its base engine with ``--chunk-bytes chunk_bytes``.
+    """
+    chunk: List[str] = []
+    if engine.endswith(CHUNKED_SUFFIX):
+        if chunk_bytes is None:
+            raise ValueError(f"engine {engine} needs a chunk size")
+        engine = engine[: -len(CHUNKED_SUFFIX)]
+        chunk = ["--chunk-bytes", chunk_bytes]
     return ["bench", "--models", model, "--engines", engine, "--time-budget", f"{budget_s:g}",
-            "--out", out_dir, *bench_args]
+            "--out", out_dir, *bench_args, *chunk]
 
 
 # Both handlers only ask the running bench to stop: it does so at its next safe point and
@@ -99,15 +116,24 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--label", required=True, help="name in the summary, e.g. Rev-ViT-B")
     p.add_argument("--model", required=True, help="the reversible model (pareprop registry)")
     p.add_argument("--baseline", required=True, help="its standard model (timm or pareprop)")
-    p.add_argument("--engines", nargs="+", default=list(ENGINE_ORDER), choices=ENGINE_ORDER)
+    p.add_argument("--engines", nargs="+", choices=ENGINE_ORDER,
+                   help="default: every engine; the *_chunked ones only with --chunk-bytes")
+    p.add_argument("--chunk-bytes", metavar="SIZE",
+                   help="also run the reversible engines with chunked branches of SIZE "
+                   "(pareprop bench --chunk-bytes, e.g. 1GiB)")
     args, rest = p.parse_known_args(list(argv))
     if rest and rest[0] == "--":
         rest = rest[1:]
-    for flag in ("--models", "--engines", "--time-budget", "--out"):
+    for flag in ("--models", "--engines", "--time-budget", "--out", "--chunk-bytes"):
         if flag in rest:
             p.error(f"{flag} is set by gpu_sweep.py; pass it before '--' or not at all")
     if args.budget <= 0:
         p.error(f"expected a positive --budget, got {args.budget:g}")
+    if args.engines is None:
+        args.engines = [e for e in ENGINE_ORDER
+                        if args.chunk_bytes is not None or e not in CHUNKED_ENGINES]
+    elif args.chunk_bytes is None and set(args.engines) & set(CHUNKED_ENGINES):
+        p.error("the *_chunked engines need --chunk-bytes SIZE")
     args.bench_args = rest
     return args
 
@@ -123,6 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(args.out, "sweep.json"), "w") as fh:
         json.dump({"label": args.label, "model": args.model, "baseline": args.baseline,
                    "engines": engines, "budget_s": args.budget,
+                   "chunk_bytes": args.chunk_bytes,
                    "bench_args": args.bench_args}, fh, indent=1)
 
     # Imports and the CUDA context before the first share is set, so plain does not pay them.
@@ -146,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             model = args.baseline if engine in BASELINE_ENGINES else args.model
             argv_ = bench_argv(model, engine, soft_budget(share),
-                               os.path.join(args.out, engine), args.bench_args)
+                               os.path.join(args.out, engine), args.bench_args, args.chunk_bytes)
             print(f"== {args.label} {engine}: {share:.0f} s ({' '.join(argv_)})", flush=True)
             t0 = time.monotonic()
             status: Any

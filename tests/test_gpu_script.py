@@ -59,6 +59,42 @@ def test_bench_argv_uses_existing_bench_flags():
         ["rev_vit_tiny_patch4_32"], ["pareprop"], 12.5, "/tmp/x")
 
 
+def test_chunked_engines_run_their_base_engine_with_the_chunk_size():
+    from pareprop.cli.bench import build_parser
+
+    argv = sweep.bench_argv("rev_vit_tiny_patch4_32", "pareprop_chunked", 5.0, "/tmp/x",
+                            ["--device", "cpu"], chunk_bytes="1GiB")
+    args = build_parser().parse_args(argv[1:])
+    assert (args.engines, args.chunk_bytes) == (["pareprop"], "1GiB")
+    # whole-branch engines ignore the size
+    assert "--chunk-bytes" not in sweep.bench_argv("m", "pareprop", 5.0, "/tmp/x", [], "1GiB")
+    with pytest.raises(ValueError, match="needs a chunk size"):
+        sweep.bench_argv("m", "reversible_chunked", 5.0, "/tmp/x", [])
+
+
+def test_chunked_engines_follow_the_whole_ones_only_with_a_chunk_size(tmp_path, monkeypatch,
+                                                                      capsys):
+    calls = []
+    monkeypatch.setattr("pareprop.cli.main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(sweep, "STARTED", time.monotonic())
+    monkeypatch.setattr(sweep, "MIN_SHARE_S", 0.0)
+    rc = sweep.main(["--out", str(tmp_path / "vit"), "--budget", "60", "--label", "L",
+                     "--model", "rev", "--baseline", "std", "--chunk-bytes", "1GiB",
+                     "--", "--device", "cpu"])
+    assert rc == 0
+    ran = [(a[a.index("--engines") + 1], a[a.index("--out") + 1].rsplit("/", 1)[1],
+            "--chunk-bytes" in a) for a in calls]
+    assert ran[-2:] == [("reversible", "reversible_chunked", True),
+                        ("pareprop", "pareprop_chunked", True)]
+    assert not any(chunked for _, _, chunked in ran[:-2])
+    meta = json.loads((tmp_path / "vit" / "sweep.json").read_text())
+    assert meta["engines"] == list(sweep.ENGINE_ORDER) and meta["chunk_bytes"] == "1GiB"
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", str(tmp_path / "x"), "--budget", "9", "--label", "L", "--model",
+                    "m", "--baseline", "b", "--engines", "pareprop_chunked"])
+    assert "need --chunk-bytes" in capsys.readouterr().err
+
+
 def test_flags_the_driver_sets_itself_are_refused(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--out", "x", "--budget", "9", "--label", "L", "--model", "m",
@@ -105,7 +141,9 @@ def test_driver_gives_each_engine_its_share_and_cuts_off_an_overrun(tmp_path, mo
     assert 0.4 < pareprop_at - autograd_at < 1.2, "autograd was not cut off at its share"
     assert took < 2.5
     meta = json.loads((out / "sweep.json").read_text())
-    assert meta["engines"] == list(sweep.ENGINE_ORDER) and meta["label"] == "Rev-ViT-B"
+    whole = [e for e in sweep.ENGINE_ORDER if e not in sweep.CHUNKED_ENGINES]
+    assert meta["engines"] == whole and meta["label"] == "Rev-ViT-B"
+    assert meta["chunk_bytes"] is None
     # the handlers it installed are gone again
     import signal
 
@@ -167,10 +205,13 @@ def test_gpu_mode_runs_tests_sanitizer_sweeps_then_summary(tmp_path):
     assert "--seq-len 512" in calls[6]
     budgets = [float(c.split("--budget ")[1].split()[0]) for c in calls[3:7]]
     # Steps that take no time pass their share on, in proportion to the plan (tests 60,
-    # sanitizer 60, vit 75, mvit 85, swin 80, text 70 of 480 - 15 s); each sweep's driver stops
-    # GRACE + 3 = 8 s before its allowance ends.
-    assert budgets[0] == pytest.approx(465 * 75 / 310 - 8, abs=2)
-    assert budgets[-1] == pytest.approx(465 - 8, abs=2) and budgets[-1] <= 465 - 8
+    # sanitizer 60, vit 100, mvit 105, swin 100, text 70 of 540 - 15 s); each sweep's driver
+    # stops GRACE + 3 = 8 s before its allowance ends.
+    assert budgets[0] == pytest.approx(525 * 100 / 375 - 8, abs=2)
+    assert budgets[-1] == pytest.approx(525 - 8, abs=2) and budgets[-1] <= 525 - 8
+    # the image models also run chunked, at the size the plans in BENCHMARKS.md use
+    assert all("--chunk-bytes 1GiB --" in c for c in calls[3:6])
+    assert "--chunk-bytes" not in calls[6]
     steps = _steps(out)
     assert [s[0] for s in steps] == ["tests", "sanitizer", "vit", "mvit", "swin", "text"]
     assert all(s[1] == "0" for s in steps)

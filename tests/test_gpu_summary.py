@@ -230,3 +230,33 @@ def test_main_without_results_and_bad_usage(tmp_path, capsys):
     assert "no sweep left any results" in capsys.readouterr().out
     assert gs.main([str(tmp_path / "missing")]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_chunked_runs_are_compared_with_the_same_engine_on_whole_branches(tmp_path, capsys):
+    by_engine = {}
+    for r in typical():
+        by_engine.setdefault(r["engine"], []).append(r)
+    # As gpu_sweep.py leaves them: records name the engine they ran, the folder says chunked.
+    by_engine["pareprop_chunked"] = [
+        rec("pareprop", 128, rate=100, chunk_bytes="1GiB", peak_mem_bytes=8 * GiB),
+        rec("pareprop", 256, rate=80, chunk_bytes="1GiB", peak_mem_bytes=16 * GiB),
+        rec("pareprop", 512, rate=70, chunk_bytes="1GiB"), rec("pareprop", 1024, "oom")]
+    _write_sweep(tmp_path, "mvit", "Rev-MViTv2-B", by_engine)
+    (s,) = gs.load_sweeps(str(tmp_path))
+    fig = gs.analyse(s)
+    # whole pareprop at 256: rate 100, peak 32 GiB; chunked: rate 80, peak 16 GiB
+    bs, time_ratio, peak, chunk, largest = fig.vs_whole["pareprop"]
+    assert (bs, chunk, largest) == (256, "1GiB", (512, True))
+    assert time_ratio == pytest.approx(100 / 80) and peak == pytest.approx(0.5)
+    assert "reversible" not in fig.vs_whole  # no chunked run of it
+    # the chunked run is not one of the engines the other tables compare
+    assert fig.largest["pareprop"] == (256, True) and fig.equal_batch == 64
+    assert gs.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = out.split("chunked branches against whole ones")[1].split("\n\n")[0]
+    row = table.splitlines()[-1].split()
+    assert row == ["Rev-MViTv2-B", "pareprop", "1GiB", "256", "1.25", "0.50", "256", "512"]
+
+
+def test_no_chunked_table_without_chunked_runs():
+    assert "chunked branches" not in gs.format_summary([sweep(typical())])
