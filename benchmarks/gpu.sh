@@ -64,12 +64,17 @@ if ((DRY)); then
   TEXT=(rev_roberta_small text_encoder_small --seq-len 32 --depths 2 --batch-sizes 2 4)
 else
   TOTAL=${GPU_SH_TOTAL_S:-540}
-  PLAN=([tests]=60 [sanitizer]=60 [vit]=100 [mvit]=105 [swin]=100 [text]=70)
+  # The sanitizer's tests took 51 s on an H200 (2026-12-04), plus the interpreter's start.
+  PLAN=([tests]=60 [sanitizer]=75 [vit]=100 [mvit]=105 [swin]=100 [text]=70)
   # Chunked branches at the size BENCHMARKS.md plans the largest batches at.
   VIT_CHUNKED=(--chunk-bytes 1GiB)
   MVIT_CHUNKED=(--chunk-bytes 1GiB)
   SWIN_CHUNKED=(--chunk-bytes 1GiB)
-  COMMON=(--device cuda --amp bf16 --warmup 2 --iters 4 --no-activation-bytes --quiet)
+  # No plan and no float64 gradient check per configuration: on the first GPU run (2026-12-04)
+  # they took most of each engine's share on the host, so only 2 of 6 batch sizes ran. The GPU
+  # tests check the gradients; `pareprop plan` plans.
+  COMMON=(--device cuda --amp bf16 --warmup 2 --iters 4 --no-activation-bytes --no-plan
+          --no-grad-check --quiet)
   # Batch sizes: from where the GPU is busy to past the standard model's memory limit (an
   # estimate for an 80-140 GiB device; an engine stops at its first out-of-memory).
   VIT=(rev_vit_base_patch16_224 vit_base_patch16_224 --batch-sizes 128 256 512 1024 2048 4096)

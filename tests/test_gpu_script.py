@@ -205,9 +205,10 @@ def test_gpu_mode_runs_tests_sanitizer_sweeps_then_summary(tmp_path):
     assert "--seq-len 512" in calls[6]
     budgets = [float(c.split("--budget ")[1].split()[0]) for c in calls[3:7]]
     # Steps that take no time pass their share on, in proportion to the plan (tests 60,
-    # sanitizer 60, vit 100, mvit 105, swin 100, text 70 of 540 - 15 s); each sweep's driver
+    # sanitizer 75, vit 100, mvit 105, swin 100, text 70 of 540 - 15 s); each sweep's driver
     # stops GRACE + 3 = 8 s before its allowance ends.
     assert budgets[0] == pytest.approx(525 * 100 / 375 - 8, abs=2)
+    assert all("--no-plan --no-grad-check" in c for c in calls[3:7])
     assert budgets[-1] == pytest.approx(525 - 8, abs=2) and budgets[-1] <= 525 - 8
     # the image models also run chunked, at the size the plans in BENCHMARKS.md use
     assert all("--chunk-bytes 1GiB --" in c for c in calls[3:6])
