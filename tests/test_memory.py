@@ -109,7 +109,7 @@ def test_auto_largest_batch_is_the_per_batch_choice_in_a_bounded_number_of_plans
     # search and chosen again at the answer; the answer is the boundary of the per-batch
     # choice ("auto" planned afresh at that batch and the next), in a dozen plans or fewer
     # where choosing at every batch tried takes five plans a batch.
-    kw = dict(device="cpu", num_classes=10, depth=2)
+    kw = dict(device="cpu", num_classes=10, depth=1)
     name = "rev_vit_tiny_patch4_32"
     memory = plan_memory(name, 8, "reversible", **kw).peak
     calls = []
@@ -129,8 +129,8 @@ def test_auto_largest_batch_is_the_per_batch_choice_in_a_bounded_number_of_plans
     assert best > 8 and here.peak <= memory < over.peak
     assert at[best].chunk_bytes == here.chunk_bytes is not None
     assert at[best].peak == here.peak
-    # the per-batch search finds the same batch with its five plans at every batch it tries
-    assert len({bs for bs, _ in calls}) * 5 > 2 * len(calls)
+    # fewer than the five plans a batch that choosing at every batch tried would make
+    assert len(calls) < 5 * len({bs for bs, _ in calls})
 
 
 def test_chord_search_is_exact_on_a_convex_peak_in_few_plans():
