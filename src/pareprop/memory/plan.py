@@ -344,10 +344,10 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 
 # NOTE [ The largest batch with chunk_bytes="auto" ]
 #     "auto" plans five chunkings of a batch (NOTE [ Choosing the chunk size ]), and a plan's
-#     time grows with its number of chunks, which a size in bytes makes grow with the batch: at
-#     ViT-B's 80 GiB batches the smallest fraction alone takes minutes of tracing, and a search
-#     that chose afresh at every batch it tried took the better part of an hour. Two facts make
-#     most of those plans unnecessary:
+#     time is its number of chunk graphs traced: the 1/32 fraction alone takes about six minutes
+#     at ViT-B's 80 GiB batches here, and a search that chose afresh at every batch it tried
+#     was estimated at 40 minutes (BENCHMARKS.md, 2026-12-04). Two facts make most of those
+#     plans unnecessary:
 #
 #     * The candidates are fractions of one stream map, which is proportional to the batch, so
 #       with the fraction held, every branch has the same number of chunks at every batch and
