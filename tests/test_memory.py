@@ -9,6 +9,8 @@ import pareprop
 from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.layers import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
+from pareprop.memory import plan as plan_module
+from pareprop.memory.plan import MAX_BATCH
 
 ENGINES = ("autograd", "reversible", "pareprop")
 # One small model per family, with the overrides that keep its step small on the CPU.
@@ -100,6 +102,63 @@ def test_auto_chunking_plans_the_lowest_peak_and_largest_batch_passes_it_on():
     assert largest_batch("rev_vit_tiny_patch4_32", "reversible", whole.peak, **kw)[0] == 8
     with pytest.raises(ValueError, match="chunk_bytes"):
         plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", chunk_bytes="auto", **kw)
+
+
+def test_auto_largest_batch_is_the_per_batch_choice_in_a_bounded_number_of_plans(monkeypatch):
+    # NOTE [ The largest batch with chunk_bytes="auto" ]: the fraction is held through the
+    # search and chosen again at the answer; the answer is the boundary of the per-batch
+    # choice ("auto" planned afresh at that batch and the next), in a dozen plans or fewer
+    # where choosing at every batch tried takes five plans a batch.
+    kw = dict(device="cpu", num_classes=10, depth=1)
+    name = "rev_vit_tiny_patch4_32"
+    memory = plan_memory(name, 8, "reversible", **kw).peak
+    calls = []
+    real_plan = plan_module.plan_memory
+
+    def counted(*args, **kwargs):
+        calls.append((args[1], kwargs.get("chunk_bytes")))
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "plan_memory", counted)
+    best, reports = largest_batch(name, "reversible", memory, chunk_bytes="auto", **kw)
+    monkeypatch.undo()
+    assert len(calls) == len(set(calls)) <= 12  # no plan twice
+    at = {r.batch_size: r for r in reports}
+    here = plan_memory(name, best, "reversible", chunk_bytes="auto", **kw)
+    over = plan_memory(name, best + 1, "reversible", chunk_bytes="auto", **kw)
+    assert best > 8 and here.peak <= memory < over.peak
+    assert at[best].chunk_bytes == here.chunk_bytes is not None
+    assert at[best].peak == here.peak
+    # fewer than the five plans a batch that choosing at every batch tried would make
+    assert len(calls) < 5 * len({bs for bs, _ in calls})
+
+
+def test_chord_search_is_exact_on_a_convex_peak_in_few_plans():
+    # Affine pieces with a steeper one taking over (a convex peak), and a fixed part.
+    def peak(bs):
+        return max(1000 + 7 * bs, 300 + 9 * bs)
+
+    for memory in (2000, 10**5, 123457, 5 * 10**6):
+        tried = []
+        want = max(b for b in range(1, 10**6) if peak(b) <= memory)
+        lo, hi = plan_module._chord_search(lambda b, t=tried: t.append(b) or peak(b), memory,
+                                           {64: peak(64)}, 1000)
+        assert (lo, hi) == (want, want + 1) and len(tried) <= 6, (memory, tried)
+    assert plan_module._chord_search(peak, 500, {4: peak(4)}, 1000)[0] == 0
+    assert plan_module._chord_search(peak, 10**8, {4: peak(4)}, 1000) == (MAX_BATCH, None)
+
+
+@pytest.mark.parametrize("peaks, planned", [
+    ((1000, 900, 800, 790, 788), 4),  # 790 within 1% of the bound 787.5 from (800, 790)
+    ((100, 90, 80, 70, 60), 5),  # the chunk sets the peak all the way down: all planned
+    ((100, 60, 60, 60, 60), 3),  # flat from the largest chunk: the largest chunk, 3 plans
+    ((100, 90, 70, 75, 60), 5),  # a smaller chunk planned more: no bound, all planned
+])
+def test_auto_choice_skips_smaller_chunks_only_when_they_cannot_change_it(peaks, planned):
+    sizes = [None, 2**26, 2**24, 2**22, 2**20]  # whole, then fractions 4x apart
+    seen = []
+    got = plan_module._choose_auto(sizes, lambda i: seen.append(i) or peaks[i])
+    assert got == plan_module._auto_choice(peaks) and len(seen) == planned
 
 
 def test_plan_agrees_under_bf16_autocast():

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", metavar="SIZE|auto",
                    help="reversible engines: rebuild and differentiate each block's branches in "
                    "chunks of at most SIZE saved bytes (256MiB...), or 'auto': the size whose "
-                   "plan has the lowest peak (default: whole branches)")
+                   "plan has the lowest peak; with --memory, chosen near the largest batch and "
+                   "held through its search (default: whole branches)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
     p.add_argument("--out", default="plan_results", metavar="DIR",

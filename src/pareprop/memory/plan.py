@@ -22,7 +22,7 @@ NOTE [ Planning under FakeTensorMode ]
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,8 @@ MAX_BATCH = 2**20  # the largest-batch search stops here
 #     and smaller chunks only cost time; so among the plans within AUTO_CHUNK_TOLERANCE of the
 #     lowest peak the largest chunk wins (whole branches first). Expressed in bytes, the choice
 #     carries over to other batch sizes: a chunk of that size holds the same samples or tokens.
+#     ``largest_batch`` does not choose at every batch it tries: NOTE [ The largest batch with
+#     chunk_bytes="auto" ].
 AUTO_CHUNK_FRACTIONS = (2.0, 0.5, 1 / 8, 1 / 32)
 AUTO_CHUNK_TOLERANCE = 0.01
 
@@ -208,15 +210,29 @@ def plan_memory(
 def _plan_auto_chunks(name: str, batch_size: int, engine: str, **kwargs: Any) -> MemoryReport:
     """The plan of the chunk size with the lowest peak (NOTE [ Choosing the chunk size ])."""
     whole = plan_memory(name, batch_size, engine, **kwargs)
-    fixed = whole.parameters + whole.gradients + whole.optimizer_state + whole.inputs
-    stream = (whole.floor - fixed) // 8 if whole.floor else 0
     plans = [whole]  # largest chunk first: whole branches, then smaller and smaller chunks
-    if stream > 0:
-        for fraction in AUTO_CHUNK_FRACTIONS:
-            size = max(1, int(stream * fraction))
-            plans.append(plan_memory(name, batch_size, engine, chunk_bytes=size, **kwargs))
-    lowest = min(p.peak for p in plans)
-    return next(p for p in plans if p.peak <= lowest * (1 + AUTO_CHUNK_TOLERANCE))
+    for size in _auto_sizes(_stream_bytes(whole))[1:]:
+        plans.append(plan_memory(name, batch_size, engine, chunk_bytes=size, **kwargs))
+    return plans[_auto_choice([p.peak for p in plans])]
+
+
+def _stream_bytes(whole: MemoryReport) -> int:
+    """One stream map of the largest stack, from a plan's floor (0: no reversible stack)."""
+    fixed = whole.parameters + whole.gradients + whole.optimizer_state + whole.inputs
+    return (whole.floor - fixed) // 8 if whole.floor else 0
+
+
+def _auto_sizes(stream: int) -> List[Optional[int]]:
+    """The chunk sizes "auto" plans, largest first (``None``: whole branches)."""
+    if stream <= 0:
+        return [None]
+    return [None] + [max(1, int(stream * fraction)) for fraction in AUTO_CHUNK_FRACTIONS]
+
+
+def _auto_choice(peaks: Sequence[int]) -> int:
+    """Index of the largest chunk (earliest) whose peak is within the tolerance of the lowest."""
+    lowest = min(peaks)
+    return next(i for i, p in enumerate(peaks) if p <= lowest * (1 + AUTO_CHUNK_TOLERANCE))
 
 
 def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget: Any,
@@ -245,13 +261,19 @@ def largest_batch(
         memory_bytes: the memory to fit in.
         start: the first batch tried.
         **plan_kwargs: passed to :func:`plan_memory` (``amp``, ``device``, ``img_size``,
-            ``chunk_bytes``: with ``"auto"`` every batch tried gets its own best chunking...).
+            ``chunk_bytes``...). With ``chunk_bytes="auto"`` the chunking is chosen at a
+            probe batch and at the answer, and the search in between keeps it (NOTE [ The
+            largest batch with chunk_bytes="auto" ]).
 
     Returns:
         ``(largest batch, or 0 when batch 1 does not fit; every report planned, by batch)``.
     """
     if memory_bytes <= 0:
         raise ValueError(f"expected a positive memory size, got {memory_bytes}")
+    chunk_bytes = plan_kwargs.get("chunk_bytes")
+    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+        kwargs = {k: v for k, v in plan_kwargs.items() if k != "chunk_bytes"}
+        return _largest_batch_auto(name, engine, memory_bytes, max(1, int(start)), **kwargs)
     reports: Dict[int, MemoryReport] = {}
 
     def peak(bs: int) -> int:
@@ -317,4 +339,133 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
                 return lo, b
             lo = b
         return MAX_BATCH, None
+    return lo, hi
+
+
+# NOTE [ The largest batch with chunk_bytes="auto" ]
+#     "auto" plans five chunkings of a batch (NOTE [ Choosing the chunk size ]), and a plan's
+#     time is its number of chunk graphs traced: the 1/32 fraction alone takes about six minutes
+#     at ViT-B's 80 GiB batches here, and a search that chose afresh at every batch it tried
+#     was estimated at 40 minutes (BENCHMARKS.md, 2026-12-04). Two facts make most of those
+#     plans unnecessary:
+#
+#     * The candidates are fractions of one stream map, which is proportional to the batch, so
+#       with the fraction held, every branch has the same number of chunks at every batch and
+#       each holds the same share of it: the step is the same step scaled, and its peak is
+#       close to affine in the batch (parameters, gradients and optimizer state do not grow).
+#       The search holds the fraction: a chord through two plans (or through the fixed part and
+#       one plan) lands within a few samples of the answer, and a plan there and at the next
+#       batch closes the bracket, at the same cost per plan whatever the batch.
+#     * A smaller chunk never plans more, and the peak as a function of the chunk size is a
+#       maximum of moments each growing with the chunk, so convex: the line through the last
+#       two chunk sizes planned, carried to the smallest candidate, is a lower bound on every
+#       smaller candidate's peak. Once the choice among the plans made so far is within the
+#       tolerance of that bound, smaller chunks cannot change it and are not planned
+#       (``_choose_auto``). At large batches, where the chunk is a small part of the peak,
+#       that usually spares the smallest, slowest candidate.
+#
+#     So: the fraction is chosen at a probe batch (the largest whose floor fits, near the
+#     answer), the search holds it, and the choice is made again at the answer. Where that
+#     choice differs, the search runs again from there with the new fraction (each fraction at
+#     most once). The answer ``lo`` is exact in the sense of the per-batch search at ``lo``
+#     (its own choice among the chunkings, planned) and for the chosen fraction at ``lo + 1``;
+#     the other fractions are not planned at ``lo + 1``, where a choice other than ``lo``'s
+#     would need peaks within a sample's growth of the tolerance's edge.
+def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
+                        **kwargs: Any) -> Tuple[int, List[MemoryReport]]:
+    base = plan_memory(name, first, engine, **kwargs)
+    stream = _stream_bytes(base)
+    if stream <= 0:  # no reversible stack: "auto" is whole branches at every batch
+        return largest_batch(name, engine, memory_bytes, start=first, **kwargs)
+    plans: Dict[Tuple[int, int], MemoryReport] = {(first, 0): base}  # (batch, candidate)
+    chosen: Dict[int, int] = {}  # batch -> the candidate "auto" chose there
+
+    def plan(bs: int, i: int) -> MemoryReport:
+        if (bs, i) not in plans:
+            size = _auto_sizes(stream * bs // first)[i]  # streams grow with the batch exactly
+            plans[(bs, i)] = plan_memory(name, bs, engine, chunk_bytes=size, **kwargs)
+        return plans[(bs, i)]
+
+    def choose(bs: int) -> int:
+        chosen[bs] = _choose_auto(_auto_sizes(stream * bs // first), lambda i: plan(bs, i).peak)
+        return chosen[bs]
+
+    fixed = base.parameters + base.gradients + base.optimizer_state
+    per_sample = (base.floor - fixed) / first
+    probe = int(min(max((memory_bytes - fixed) / per_sample, 1), MAX_BATCH))
+    i = choose(probe)
+    found: Dict[int, int] = {}  # candidate searched -> the largest batch it fits
+    while i not in found:
+        known = {bs: r.peak for (bs, j), r in plans.items() if j == i}
+        found[i], _ = _chord_search(lambda bs, i=i: plan(bs, i).peak, memory_bytes, known, fixed)
+        lo = found[i]
+        i = choose(max(lo, 1))
+    if i != list(found)[-1] and (lo == 0 or plan(lo, i).peak > memory_bytes):
+        lo = found[i]  # the choice at lo came back to a fraction searched before (not seen)
+    reports: Dict[int, MemoryReport] = {}
+    for (bs, j), r in plans.items():
+        if chosen.get(bs, j) == j:
+            reports[bs] = r
+    return lo, [reports[b] for b in sorted(reports)]
+
+
+def _choose_auto(sizes: Sequence[Optional[int]], peak: Callable[[int], int]) -> int:
+    """The candidate "auto" chooses among ``sizes`` (largest first), planning the smaller
+    ones only while they could change the choice (NOTE [ The largest batch with
+    chunk_bytes="auto" ])."""
+    peaks: List[int] = []
+    for i in range(len(sizes)):
+        peaks.append(peak(i))
+        if i >= 2 and i + 1 < len(sizes):
+            (ca, pa), (cb, pb) = (sizes[i - 1], peaks[i - 1]), (sizes[i], peaks[i])
+            if pa < pb:  # a smaller chunk planned more: no bound, plan them all
+                continue
+            bound = pb - (pa - pb) * (cb - sizes[-1]) / (ca - cb)
+            best = _auto_choice(peaks)
+            if peaks[best] <= min(bound, min(peaks)) * (1 + AUTO_CHUNK_TOLERANCE):
+                return best
+    return _auto_choice(peaks)
+
+
+def _chord_search(peak: Callable[[int], int], memory_bytes: int, known: Dict[int, int],
+                  intercept: int, tries: int = 12) -> Tuple[int, Optional[int]]:
+    """``(lo, hi)``: ``lo`` fits (0: batch 1 does not), ``hi = lo + 1`` does not (``None``:
+    MAX_BATCH fits). ``known``: batch -> peak already planned; ``intercept``: the peak's part
+    that does not grow with the batch. Each batch tried is where the chord through the bracket
+    (or the line through the last two points, the first through ``intercept`` at batch 0)
+    meets ``memory_bytes``; bisection finishes what ``tries`` leave."""
+    known = dict(known)
+
+    def bracket() -> Tuple[int, Optional[int]]:
+        lo = max((b for b, p in known.items() if p <= memory_bytes), default=0)
+        hi = min((b for b, p in known.items() if p > memory_bytes and b > lo), default=None)
+        return lo, hi
+
+    def at(b: int) -> int:
+        if b not in known:
+            known[b] = peak(b)
+        return known[b]
+
+    for _ in range(tries):
+        lo, hi = bracket()
+        if (hi is not None and hi - lo <= 1) or lo >= MAX_BATCH:
+            break
+        p_lo = known[lo] if lo else intercept
+        if hi is not None:
+            slope = (known[hi] - p_lo) / (hi - lo)
+            guess = lo + (memory_bytes - p_lo) / slope if slope > 0 else (lo + hi) / 2
+        else:
+            (b0, p0), (b1, p1) = ([(0, intercept)] + sorted(known.items()))[-2:]
+            slope = (p1 - p0) / (b1 - b0)
+            guess = b1 + (memory_bytes - p1) / slope if slope > 0 else 2 * b1
+            guess = min(guess, 16 * b1)
+        upper = MAX_BATCH if hi is None else hi - 1
+        at(int(max(lo + 1, min(guess, upper))))
+    lo, hi = bracket()
+    while hi is None and lo < MAX_BATCH:  # not bracketed: double until it is
+        at(min(2 * max(lo, 1), MAX_BATCH))
+        lo, hi = bracket()
+    while hi is not None and hi - lo > 1:
+        at((lo + hi) // 2)
+        lo, hi = bracket()
     return lo, hi
