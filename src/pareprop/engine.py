@@ -785,16 +785,53 @@ def _grads(
 # being X1, X2 of block l), both independent of grads(l). Block l's X1 is not needed before:
 # grads(l) reads Y1 and X2, and only block l-1 reads X1 (as its Y1). So while grads(l) runs,
 # four stream maps are alive: block l's Y1 and X2, and the two new ones ("reversible" holds
-# two). Y1 stays until grads(l) returns, though G is done with it earlier: recover(l-1) reads it
-# on the other lane, and freeing it would let grads(l)'s lane reuse memory the other lane may
-# still read (NOTE [ Tensor lifetimes across streams ]: a block's streams are freed once their
-# last reader is queued, and that is grads(l)). The bottom block's X1 (the stack's input) is never
+# two). Where both blocks are recomputed in chunks (and not sharded), the step runs in two
+# halves so that Y1 is released once G is done with it, and the top block writes dX2 into X2:
+# three maps and no more gradients than "reversible" hold (NOTE [ Chunked PaReprop in half
+# steps ]). Elsewhere Y1 stays until grads(l) returns: recover(l-1) reads it on the other lane,
+# and freeing it would let grads(l)'s lane reuse memory the other lane may still read (NOTE
+# [ Tensor lifetimes across streams ]: a block's streams are freed once their last reader is
+# queued, and that is grads(l)). The bottom block's X1 (the stack's input) is never
 # rebuilt, nor that of a block below which a stored block sits (the stored block kept its
 # inputs), except for debug_reconstruction's check; under FSDP, where only a block and the one
 # above are gathered at a time, each recover rebuilds its own X1. The gradients are rebuilt in
 # place below the top block, as under "reversible" (the block above, chunked, handed down
 # its own tensors), and the stack's outputs are released once the top block is recovered.
 # Stored blocks keep their whole graphs from forward.
+
+
+# NOTE [ Chunked PaReprop in half steps ]
+# A PaReprop step of chunked blocks used to hold four stream maps and, at the top block, four
+# gradient maps: block l's Y1 and X2 (read by grads(l)), the new X1(l) and X2(l-1) (written by
+# recover(l-1)), the stack's incoming dY1, dY2 (autograd holds them until the stack's backward
+# returns) and grads(l)'s copies of them, dY1' and dX2. "reversible" holds two streams and
+# the same four gradients, so on Rev-Swin-T, whose peak is the top block of the 56x56 stage,
+# PaReprop's largest batch was 0.81x Reprop's. Each half of the step reads less than the whole:
+#   first half:  recover X1(l) = (copy of Y1(l) - F(X2(l))) / beta   beside   grads of G(Y1(l))
+#   barrier:     each lane waits for the other lane's first half; Y1(l) is released
+#   second half: recover X2(l-1) = (copy of X2(l) - G(X1(l))) / beta  beside  grads of F(X2(l))
+# so three stream maps are alive at a time (Y1, X2, X1 and then X2, X1, X2(l-1)), and the top
+# block, whose incoming gradients are autograd's, writes dX2 = beta dY2 + dF into X2(l)'s own
+# storage rather than into a copy of dY2: chunk by chunk, each chunk once its graph is
+# backpropagated and freed (the chunk's input gradient covers exactly its slice of X2, which no
+# later chunk reads), so the top step holds what "reversible" holds. Below the top block the
+# gradients were already rebuilt in place; there the step holds one stream map more than
+# "reversible" instead of two.
+# Why this is safe on two streams (NOTE [ Tensor lifetimes across streams ]):
+#   * Y1(l) is read by grads-G(l) on lane l and, once, by recover's copy on lane l-1. It is
+#     released on the host after the barrier is queued: every later kernel of either lane runs
+#     after both readers, so whichever stream's pool Y1 was allocated from, no kernel that
+#     reuses it can run before its readers are done (a tensor that came from the main stream
+#     with record_stream is held back by the allocator anyway).
+#   * X2(l) is read by recover(l-1) (F over it in the first half, then a copy at the start of the
+#     second half) and by grads-F(l)'s chunks. grads-F(l) writes into it only after waiting for
+#     the event marked right after that copy (and after the barrier, so after the first half's
+#     reads); its own chunks are in stream order on its lane.
+#   * The barrier costs little overlap: each recover half is one branch's forward without a
+#     graph, shorter than the other lane's half, a branch's forward and backward; the wait for
+#     the copy of X2 is one copy.
+# The chains of events of the whole steps stay as they were: recover(l-1)'s first half waits for
+# recover(l) and grads(l+1), grads(l)'s first half for grads(l+1).
 
 
 def _branch_chunking(
@@ -876,11 +913,16 @@ def _run_chunks(
     grad_into: Optional[Tensor] = None,
     param_grads: Optional[List[Optional[Tensor]]] = None,
     sums: Optional[Set[int]] = None,
+    grad_base: Optional[Tensor] = None,
+    base_scale: Optional[Tensor] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
     subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk
     is backpropagated at once, its input gradient added into ``grad_into`` and its parameter
-    gradients into ``param_grads``, and its graph freed before the next chunk."""
+    gradients into ``param_grads``, and its graph freed before the next chunk. With
+    ``grad_base``, each chunk of ``grad_into`` is first set to ``base_scale`` times that chunk
+    of ``grad_base``, once the chunk's graph is freed: ``grad_into`` may then be ``x`` itself.
+    """
     block = plan.blocks[index]
     owned = plan.block_params[index]
     params = [p for _, p in owned]
@@ -910,8 +952,11 @@ def _run_chunks(
             else:
                 grad_in, *grads = _vjp(out, [leaf, *params], part)
             del out, leaf  # the chunk's graph is gone; its gradients remain
+            into = _chunk_input(grad_into, split, chunk)
+            if grad_base is not None:  # grad_into starts as base_scale * grad_base, per chunk
+                _skip_(base_scale, into.copy_(_chunk_input(grad_base, split, chunk)))
             if grad_in is not None:
-                _chunk_input(grad_into, split, chunk).add_(grad_in)
+                into.add_(grad_in)
             _add_param_grads(owned, grads, param_grads, sums)
         if accumulate:
             _add_param_grads(owned, [t.grad for t in leaves], param_grads, sums)
@@ -995,13 +1040,26 @@ def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuil
     """PaReprop's recover of a chunked block, without a graph, chunk by chunk, half a block
     late (NOTE [ Chunked backward ]): first X1 of the block above, if it was left pending
     (``y1`` is then that block's Y1), then this block's X2; its X1 is left pending."""
-    above = index + 1
-    if plan.pending_x1 == above:  # y1 is block above's Y1, y2 its rebuilt X2
-        y1 = _rebuild_input(plan, above, "f", y2, y1.clone())  # X1 above = Y1 here
-        plan.pending_x1 = None
-        _check_pending(plan, above, y1, y2)
+    y1 = _finish_pending(plan, index + 1, y1, y2)
+    return _recover_x2(plan, index, y1, y2.clone())
+
+
+def _finish_pending(plan: _Plan, above: int, y1: Tensor, x2: Tensor) -> Tensor:
+    """Block ``above``'s X1 = (Y1 - F(X2)) / beta into a copy of its Y1 ``y1``, if it was left
+    pending; else ``y1`` (already that block's X1)."""
+    if plan.pending_x1 != above:
+        return y1
+    x1 = _rebuild_input(plan, above, "f", x2, y1.clone())
+    plan.pending_x1 = None
+    _check_pending(plan, above, x1, x2)
+    return x1
+
+
+def _recover_x2(plan: _Plan, index: int, y1: Tensor, into: Tensor) -> _Rebuilt:
+    """Block ``index``'s X2 rebuilt in ``into`` (a copy of its Y2) from its Y1 ``y1``; its X1
+    left pending where the next recover finishes it."""
     plan.keywords.check(index, plan.blocks[index])
-    x2 = _rebuild_input(plan, index, "g", y1, y2.clone())
+    x2 = _rebuild_input(plan, index, "g", y1, into)
     # FSDP gathers at most this block and the one above; below a stored block nothing reads
     # this block's X1 (the stored block kept its inputs); the bottom block's X1 is the stack's
     # input, which nothing reads either. So X1 is left pending only where the next recover
@@ -1047,23 +1105,60 @@ def _grads_chunked(
     Below the top block the gradients are rebuilt in place, as under "reversible"."""
     if plan.sharding is not None:
         param_grads = [None] * len(plan.block_params[index])
-    record, sums = plan.records[index], set()
-    beta = _plan_beta(plan, index)
-    owned = _owns_gradients(plan, index)
-    dy1_total = dy1 if owned else dy1.clone()
-    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
-            _forward_parameters(plan, index):
-        # G's input Y1 stays until grads returns: recover(l-1), queued before, may still be
-        # reading it on the other lane (NOTE [ Tensor lifetimes across streams ]).
-        split, count = _branch_chunking(plan, index, "g", rebuilt.y1, record.g_rng)
-        _run_chunks(plan, index, "g", rebuilt.y1, split, count, record.g_rng,
-                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
-        dx2 = _skip_(beta, dy2 if owned else dy2.clone())  # G has read dY2
-        split, count = _branch_chunking(plan, index, "f", rebuilt.x2, record.f_rng)
-        _run_chunks(plan, index, "f", rebuilt.x2, split, count, record.f_rng,
-                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
+    sums: Set[int] = set()
+    dy1_total = _grads_g_chunked(plan, index, rebuilt.y1, dy1, dy2, param_grads, sums)
+    dx1, dx2 = _grads_f_chunked(plan, index, rebuilt.x2, dy1_total, dy2, param_grads, sums)
     if plan.sharding is not None:
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
+    return dx1, dx2
+
+
+def _grads_g_chunked(
+    plan: _Plan,
+    index: int,
+    y1: Tensor,
+    dy1: Tensor,
+    dy2: Tensor,
+    param_grads: List[Optional[Tensor]],
+    sums: Set[int],
+) -> Tensor:
+    """G's half of a chunked block's grads: dY2 flows into G(Y1), whose input gradient joins
+    dY1 (in place below the top block). Returns the total dY1."""
+    record = plan.records[index]
+    dy1_total = dy1 if _owns_gradients(plan, index) else dy1.clone()
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
+        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
+        _run_chunks(plan, index, "g", y1, split, count, record.g_rng,
+                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+    return dy1_total
+
+
+def _grads_f_chunked(
+    plan: _Plan,
+    index: int,
+    x2: Tensor,
+    dy1_total: Tensor,
+    dy2: Tensor,
+    param_grads: List[Optional[Tensor]],
+    sums: Set[int],
+    into_x2: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """F's half: the total dY1 flows into F(X2), whose input gradient joins beta dY2 (in place
+    below the top block). With ``into_x2`` dX2 is written into X2's own storage, chunk by
+    chunk once the chunk is backpropagated (NOTE [ Chunked PaReprop in half steps ])."""
+    record = plan.records[index]
+    beta = _plan_beta(plan, index)
+    if into_x2:
+        dx2, base = x2, dy2
+    else:
+        dx2, base = _skip_(beta, dy2 if _owns_gradients(plan, index) else dy2.clone()), None
+    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
+            _forward_parameters(plan, index):
+        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
+        _run_chunks(plan, index, "f", x2, split, count, record.f_rng,
+                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums,
+                    grad_base=base, base_scale=beta)
     return _skip_(beta, dy1_total), dx2
 
 
@@ -1381,6 +1476,11 @@ def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
+        if _half_steps(plan, index):  # NOTE [ Chunked PaReprop in half steps ]
+            rebuilt, aliases, dy1, dy2, recovered, grads_done = _half_step_pair(
+                plan, lanes, index, rebuilt, dy1, dy2, param_grads, aliases, recovered,
+                grads_done)
+            continue
         # recover(index-1) after recover(index) and grads(index+1).
         x1, x2 = rebuilt.x1, _detached(rebuilt.x2)
         lanes.wait(index - 1, recovered)
@@ -1399,6 +1499,62 @@ def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     lanes.wait(0, grads_done)
     with lanes.run_on(0), _aliased(plan, 0, aliases):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
+
+
+def _half_steps(plan: _Plan, index: int) -> bool:
+    """Whether recover(index-1) and grads(index) run in halves (NOTE [ Chunked PaReprop in half
+    steps ]): both blocks recomputed in chunks, unsharded, block index's X1 pending."""
+    return (plan.chunking is not None and plan.sharding is None
+            and not plan.stored[index] and not plan.stored[index - 1]
+            and plan.pending_x1 == index)
+
+
+def _half_step_pair(plan, lanes, index, rebuilt, dy1, dy2, param_grads, aliases, recovered,
+                    grads_done):
+    """recover(index-1) beside grads(index), in two halves with a barrier between them."""
+    below = index - 1
+    below_aliases = _param_aliases(plan, below)
+    x2 = _detached(rebuilt.x2)
+    # First halves: block index's X1 (reads its Y1 once, in a copy, and its X2) beside
+    # G's gradients (reads Y1).
+    lanes.wait(below, recovered)
+    lanes.wait(below, grads_done)
+    with lanes.run_on(below), _aliased(plan, below, below_aliases), \
+            torch.profiler.record_function("pareprop::recover"):
+        x1 = _finish_pending(plan, index, rebuilt.y1, x2)
+    first_recovered = lanes.mark(below)
+    lanes.wait(index, grads_done)
+    sums: Set[int] = set()
+    with lanes.run_on(index), _aliased(plan, index, aliases), \
+            torch.profiler.record_function("pareprop::grads"):
+        dy1 = _grads_g_chunked(plan, index, rebuilt.y1, dy1, dy2, param_grads, sums)
+    g_done = lanes.mark(index)
+    # Barrier: both lanes go on after both readers of Y1, which is released here.
+    lanes.wait(index, first_recovered)
+    lanes.wait(below, g_done)
+    rebuilt.y1 = rebuilt.x1 = None
+    # Second halves: block index-1's X2 from a copy of block index's X2, beside F's gradients,
+    # which write dX2 into that X2 where the incoming gradients are not ours (the top block).
+    with lanes.run_on(below), _aliased(plan, below, below_aliases), \
+            torch.profiler.record_function("pareprop::recover"):
+        into = x2.clone()
+        copied = lanes.mark(below)
+        previous = _recover_x2(plan, below, x1, into)
+    del x1, into
+    recovered = lanes.mark(below)
+    into_x2 = not _owns_gradients(plan, index) and _same_layout(x2, dy2)
+    if into_x2:
+        lanes.wait(index, copied)
+    with lanes.run_on(index), _aliased(plan, index, aliases), \
+            torch.profiler.record_function("pareprop::grads"):
+        dy1, dy2 = _grads_f_chunked(plan, index, x2, dy1, dy2, param_grads, sums,
+                                    into_x2=into_x2)
+    grads_done = lanes.mark(index)
+    return previous, below_aliases, dy1, dy2, recovered, grads_done
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _take_outputs(plan: _Plan) -> List[Optional[Tensor]]:
