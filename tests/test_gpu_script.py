@@ -42,6 +42,11 @@ def test_engine_share_splits_what_is_left_and_is_never_negative():
         sweep.engine_share(10.0, 0)
 
 
+def test_overrun_reserve_is_a_share_of_the_budget_with_a_cap():
+    assert sweep.overrun_reserve(50.0) == pytest.approx(5.0)
+    assert sweep.overrun_reserve(500.0) == sweep.OVERRUN_MAX_S
+
+
 def test_soft_budget_is_a_fraction_and_never_zero():
     # pareprop bench reads --time-budget 0 as "no budget": the soft budget stays >= 1 s.
     assert sweep.soft_budget(50.0) == pytest.approx(sweep.SOFT_FRACTION * 50.0)
@@ -123,6 +128,7 @@ def test_driver_gives_each_engine_its_share_and_cuts_off_an_overrun(tmp_path, mo
     monkeypatch.setattr(sweep, "STARTED", time.monotonic())
     monkeypatch.setattr(sweep, "MIN_SHARE_S", 0.05)
     monkeypatch.setattr(sweep, "WRITE_MARGIN_S", 0.0)
+    monkeypatch.setattr(sweep, "OVERRUN_MAX_S", 0.0)
     out = tmp_path / "vit"
     t0 = time.monotonic()
     rc = sweep.main(["--out", str(out), "--budget", "2", "--label", "Rev-ViT-B",
