@@ -47,6 +47,7 @@ import sys  # noqa: E402
 from typing import Any, List, Optional, Sequence  # noqa: E402
 
 from pareprop.bench import stop as bench_stop  # noqa: E402
+from pareprop.chunking import parse_chunking  # noqa: E402
 
 BASELINE_ENGINES = ("plain", "checkpointed")
 REVERSIBLE_MODEL_ENGINES = ("autograd", "reversible", "pareprop")
@@ -138,6 +139,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"{flag} is set by gpu_sweep.py; pass it before '--' or not at all")
     if args.budget <= 0:
         p.error(f"expected a positive --budget, got {args.budget:g}")
+    if args.chunk_bytes is not None:
+        try:  # refused here, not once per chunked engine inside the sweep
+            parse_chunking(max_bytes=args.chunk_bytes)
+        except ValueError as err:
+            p.error(f"--chunk-bytes: {err}")
     if args.engines is None:
         args.engines = [e for e in ENGINE_ORDER
                         if args.chunk_bytes is not None or e not in CHUNKED_ENGINES]

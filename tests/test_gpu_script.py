@@ -98,6 +98,10 @@ def test_chunked_engines_follow_the_whole_ones_only_with_a_chunk_size(tmp_path, 
         sweep.main(["--out", str(tmp_path / "x"), "--budget", "9", "--label", "L", "--model",
                     "m", "--baseline", "b", "--engines", "pareprop_chunked"])
     assert "need --chunk-bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", str(tmp_path / "x"), "--budget", "9", "--label", "L", "--model",
+                    "m", "--baseline", "b", "--chunk-bytes", "lots"])
+    assert "--chunk-bytes: " in capsys.readouterr().err
 
 
 def test_flags_the_driver_sets_itself_are_refused(capsys):
