@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Split", "Chunk", "Chunking", "chunks", "dropout", "whole_shape"]
+__all__ = ["Split", "Chunk", "Chunking", "chunks", "dropout", "whole_shape", "graph_bytes",
+           "linear_cost"]
 
 Tensor = torch.Tensor
 
@@ -198,3 +199,67 @@ def dropout(
     shape, rows = whole_shape(x, chunk, dim)
     mask = F.dropout(x.new_ones(shape), p, training=True)  # 0 or 1 / (1 - p), as forward drew
     return x * chunk.take(mask, dim, rows)
+
+
+# NOTE [ Measuring a chunk's graph ]
+# Chunking by bytes needs what one chunk's graph saves. Both places that chunk (the engine's
+# branches, pareprop.layers.recompute's checkpointed blocks) build the graph of a chunk of one
+# and of two units under a saved-tensors hook, count each saved storage once, and fit
+# ``fixed + per_unit * units``. The hook must hold every saved tensor until the count is done:
+# a storage freed in the middle of the measurement (the graph itself keeps nothing, so an MLP's
+# first hidden map dies once its activation has run) can hand its address to the next one, and
+# two maps of one shape at one address counted once made the two-unit graph look no larger
+# than the one-unit graph. The fit then read "nothing per unit", and the branch ran whole: on
+# CUDA at Rev-ViT-B batch 4000 one block's G did, holding two whole-batch MLP maps (4.5 GiB
+# each; issue 31). A fit that is not increasing is refused in :func:`linear_cost` for the same
+# reason: a branch asked to chunk never silently runs whole.
+
+
+def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],
+                free: Iterable[Tensor] = ()) -> int:
+    """Bytes kept by the graph that ``build()`` makes: every tensor saved for backward, each
+    storage once, plus the output, leaving out the storages of ``free`` (parameters) and of the
+    leaves ``build`` returns beside its output (in the real chunk, views of a stream kept
+    anyway). The graph is never differentiated: the hook keeps nothing in it."""
+    kept: List[Tensor] = []  # alive until counted: no storage address is reused meanwhile
+
+    def pack(t: Tensor) -> None:
+        kept.append(t)
+        # Returning ``t`` would let a node hold its own output (attention saves it), a reference
+        # cycle that keeps the graph, and the input it was cut from, alive until the collector
+        # runs.
+        return None
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, leaves = build()
+        kept.append(out)
+        skip = {t.untyped_storage()._cdata for t in (*free, *leaves)}  # fake: no address
+        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        for t in kept:
+            ptr = t.untyped_storage()._cdata
+            if ptr not in skip:
+                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
+        return sum(seen.values())
+    finally:
+        # The graph's nodes hold ``pack`` (autograd keeps a saved tensor's hooks), ``pack``
+        # holds ``kept``, and ``kept`` holds the output and so the nodes: a cycle through C++
+        # that the collector cannot see. Emptying ``kept`` breaks it.
+        kept.clear()
+
+
+def linear_cost(measured: Sequence[int], name: str = "branch") -> Tuple[float, float]:
+    """(fixed, per unit) bytes from the graphs of chunks of one and two units (one value: a
+    branch of one unit). Raises when two units measured no more than one (NOTE [ Measuring a
+    chunk's graph ]): chunking on it would silently run whole."""
+    if len(measured) == 1:
+        return 0.0, float(max(measured[0], 1))
+    one, two = measured
+    if two <= one:
+        raise RuntimeError(
+            f"measuring the chunks of {name}: a chunk of two units saved {two} bytes, one unit "
+            f"{one}; expected the larger chunk to save more (a branch whose graph does not grow "
+            f"with its input cannot be chunked by bytes; use chunks=N)"
+        )
+    per_unit = two - one
+    return float(max(one - per_unit, 0)), float(per_unit)

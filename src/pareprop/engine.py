@@ -42,7 +42,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunk, Chunking, Split, chunks, parse_chunking
+from pareprop.chunking import (
+    Chunk,
+    Chunking,
+    Split,
+    chunks,
+    graph_bytes,
+    linear_cost,
+    parse_chunking,
+)
 from pareprop.schedule import ScheduleChoice
 
 __all__ = [
@@ -857,38 +865,26 @@ def _chunk_cost(
     plan: _Plan, index: int, name: str, x: Tensor, split: Split, rng: _RngState
 ) -> Tuple[float, float]:
     """(fixed, per unit) bytes saved by the graph of one chunk of a branch, measured once per
-    block, branch, input shape and autocast state on chunks of one and two units."""
+    block, branch, input shape and autocast state on chunks of one and two units (NOTE
+    [ Measuring a chunk's graph ] in pareprop/chunking.py)."""
     key = (index, name, tuple(x.shape), x.dtype, plan.autocast)
     if key in plan.chunk_costs:
         return plan.chunk_costs[key]
     block = plan.blocks[index]
-    skip = {p.untyped_storage()._cdata for p in block.parameters()}
     measured = []
     for units in (1, 2) if split.size >= 2 else (1,):
         chunk = Chunk(0, 2, 0, units, split.size)
-        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
 
-        def pack(t: Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> None:
-            ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
-            if ptr not in skip:
-                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-            # Nothing is kept: this graph is never backpropagated. Returning ``t`` would let a
-            # node hold its own output (attention saves it), a reference cycle that keeps the
-            # graph, and the stream it was cut from, alive until the garbage collector runs.
-            return None
-
-        rng.restore(plan.device)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def build(chunk: Chunk = chunk) -> Tuple[Tensor, List[Tensor]]:
+            rng.restore(plan.device)
             # A copy of one or two units, not a view: tools that hook module inputs in forward
             # (torch's ModTracker, inside plan_memory's MemTracker) keep a leaf they saw, and
             # a view would keep the whole stream with it.
             leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
-            skip.add(leaf.untyped_storage()._cdata)  # in the real chunk, a view of the stream
-            out = _call_checked(block, name, leaf, plan.kwargs, chunk)
-        measured.append(sum(seen.values()) + out.numel() * out.element_size())
-        del out, leaf
-    per_unit = measured[-1] - measured[0] if len(measured) == 2 else measured[0]
-    cost = (float(max(measured[0] - per_unit, 0)), float(max(per_unit, 1)))
+            return _call_checked(block, name, leaf, plan.kwargs, chunk), [leaf]
+
+        measured.append(graph_bytes(build, free=block.parameters()))
+    cost = linear_cost(measured, f"block {index} ({type(block).__name__}) branch {name}")
     plan.chunk_costs[key] = cost
     return cost
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunk, Chunking, Split, chunks
+from pareprop.chunking import Chunk, Chunking, Split, chunks, graph_bytes, linear_cost
 
 __all__ = ["maybe_checkpoint", "checkpoint_chunk_count"]
 
@@ -157,40 +157,28 @@ def _autocast_key(device_type: str) -> Tuple[Any, ...]:
 def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
                 join: Callable[..., torch.Tensor], split: Split) -> Tuple[float, float]:
     """(fixed, per unit) bytes saved by the graph of one chunk, measured on chunks of one and
-    two units (as the engine measures a branch's chunks)."""
+    two units, as the engine measures a branch's chunks (NOTE [ Measuring a chunk's graph ] in
+    pareprop/chunking.py)."""
     x = parts[0]
     key = (tuple(tuple(p.shape) for p in parts), x.dtype, _autocast_key(x.device.type))
     costs = _COSTS.setdefault(module, {})
     if key in costs:
         return costs[key]
-    skip = {p.untyped_storage()._cdata for p in module.parameters()}
     state = _rng_state(x.device)
     measured = []
     for units in (1, 2) if split.size >= 2 else (1,):
-        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
-
-        def pack(t: torch.Tensor, seen: Dict[Tuple[int, Tuple[int, ...]], int] = seen) -> None:
-            ptr = t.untyped_storage()._cdata  # fake tensors (plan_memory) have no address
-            if ptr not in skip:
-                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-            # Nothing is kept: the measured graph is never differentiated, and a saved tensor
-            # that is its node's own output would make a reference cycle through the graph,
-            # which holds the input's storage until the garbage collector runs.
-            return None
-
         chunk = Chunk(0, 2, 0, units, split.size)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+        def build(chunk: Chunk = chunk) -> Tuple[torch.Tensor, List[torch.Tensor]]:
             # Copies, not views of the parts: a memory tracker's hooks (plan_memory,
             # memory_report) can keep the measured graph alive in a reference cycle, and it
             # must not hold the parts' storage then. A chunk's parts are slices of the parts
             # kept anyway: no cost.
             leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
                       .detach().clone().requires_grad_(True) for p in parts]
-            skip.update(t.untyped_storage()._cdata for t in leaves)
-            out = _Joined(module, join, chunk)(*leaves)
-        measured.append(sum(seen.values()) + out.numel() * out.element_size())
-        del out, leaves
+            return _Joined(module, join, chunk)(*leaves), leaves
+
+        measured.append(graph_bytes(build, free=module.parameters()))
     _set_rng_state(state, x.device)  # the measurement drew nothing, as far as forward knows
-    per_unit = measured[-1] - measured[0] if len(measured) == 2 else measured[0]
-    costs[key] = (float(max(measured[0] - per_unit, 0)), float(max(per_unit, 1)))
+    costs[key] = linear_cost(measured, type(module).__name__)
     return costs[key]

@@ -24,6 +24,7 @@ from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Attention, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.mlp import Mlp
+from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
@@ -183,6 +184,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         self.fc_norm = nn.Identity() if cfg.norm_before_pool else final_norm
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = make_head(self.num_features, cfg.num_classes)
+        self._pooled_tokens = _PooledTokens(self)  # not a submodule: it owns no parameters
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -221,11 +223,13 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     # and ``forward_head`` pools, then applies ``fc_norm`` (an identity here unless
     # ``norm_before_pool=False``).
 
-    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+    def _streams(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
         x = self.patch_embed(x) + self.pos_embed  # (B, N, C)
-        x1, x2 = self.stack(x, x)
-        return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+        return self.stack(x, x)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return _join_streams(*self._streams(x))  # (B, N, 2C)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the normalised output tokens ``(B, N, 2 * embed_dim)``."""
@@ -274,16 +278,60 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         return take
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.fc_norm(x.mean(dim=1))  # (B, 2C)
-        x = self.head_drop(x)
+        return self._classify(x.mean(dim=1), pre_logits)  # (B, 2C) pooled
+
+    def _classify(self, pooled: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(self.fc_norm(pooled))
         return x if pre_logits else self.head(x)
 
+    # NOTE [ Rev-ViT's head in chunks ]
+    # Once the stack's branches are chunked, the head sets the step's peak: LayerNorm over the
+    # 2C concatenation of the two streams, in float32 under autocast, for every token. Its
+    # forward keeps the concatenation (two stream maps) and its backward makes two more of that
+    # size (the pooled gradient spread over the tokens, and LayerNorm's input gradient): six
+    # stream maps beside the two streams the stack keeps, 22 GiB of Rev-ViT-B's planned 36 at
+    # batch 6520. So with chunking on, the tokens are normalised and pooled under activation
+    # checkpointing, a chunk of samples at a time (NOTE [ Checkpointed blocks in chunks ] in
+    # layers/recompute.py), joining the streams inside each chunk's checkpoint: forward keeps
+    # nothing but the streams, and backward rebuilds one chunk's maps at a time. The pooled
+    # features are those of forward_head(forward_features(x)), by the same operations.
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        chunking = self.stack.chunking
+        if chunking is None or not torch.is_grad_enabled():
+            return self.forward_head(self.forward_features(x))
+        pooled = maybe_checkpoint(self._pooled_tokens, self._streams(x), True, chunking,
+                                  join=_join_streams)  # (B, 2C)
+        return self._classify(pooled)
 
     def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
         return checkpoint_filter_fn(state, self)
+
+
+def _join_streams(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
+
+
+class _PooledTokens:
+    """The head's token part, ``norm(tokens).mean(1)``, checkpointed in chunks of samples
+    (NOTE [ Rev-ViT's head in chunks ]). Holds the model, not its norm, so that a norm
+    replaced later (``prune_intermediate_layers``) is the one used."""
+
+    def __init__(self, model: "RevViT"):
+        self.model = model
+
+    def parameters(self) -> Any:
+        return self.model.norm.parameters()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x).mean(dim=1)  # (B, 2C)
+
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return self(x)  # nothing random: a chunk's samples are pooled as the whole batch's
 
 
 def checkpoint_filter_fn(

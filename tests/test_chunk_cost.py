@@ -1,0 +1,115 @@
+"""The measurement behind chunking by bytes (NOTE [ Measuring a chunk's graph ]): every saved
+map counted, a fit that does not grow refused, and the chunk counts a stack chooses at a batch
+where a miscount once ran a branch whole on CUDA (issue 31: Rev-ViT-B, batch 4000, 256 MiB)."""
+
+import math
+
+import pytest
+import torch
+
+import pareprop
+from pareprop import engine
+from pareprop.chunking import graph_bytes, linear_cost
+
+
+def test_graph_bytes_counts_maps_whose_storage_died_during_the_build():
+    # fc1's output dies once the activation has run (the hook keeps nothing in the graph), and
+    # the activation's output has its shape: both are saved, both must be counted.
+    lin = torch.nn.Linear(8, 32).double()
+    x = torch.randn(5, 8, dtype=torch.float64)
+
+    def build():
+        leaf = x.clone().requires_grad_(True)
+        return torch.nn.functional.gelu(lin(leaf)).sin(), [leaf]
+
+    hidden = 5 * 32 * 8
+    # gelu saves fc1's output, sin saves gelu's output; plus sin's output. The leaf and the
+    # weight are left out (the weight is passed as free; linear saves the leaf itself).
+    assert graph_bytes(build, free=lin.parameters()) == 3 * hidden
+
+
+def test_graph_bytes_keeps_saved_tensors_until_counted():
+    alive = []
+
+    def pack_probe():
+        leaf = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        out = leaf.exp().exp()  # the first exp's output is saved, then dropped by the graph
+        alive.append(torch.autograd.graph.saved_tensors_hooks)  # the build ran under a hook
+        return out, [leaf]
+
+    assert graph_bytes(pack_probe) == 2 * 16 * 8  # two exp outputs (saved), leaf left out
+    assert alive
+
+
+def test_linear_cost_fits_and_refuses_a_flat_fit():
+    assert linear_cost([100, 150]) == (50.0, 50.0)
+    assert linear_cost([70]) == (0.0, 70.0)
+    with pytest.raises(RuntimeError, match="two units saved 90 bytes, one unit 100"):
+        linear_cost([100, 90], "block 3 branch g")
+    with pytest.raises(RuntimeError, match="expected the larger chunk to save more"):
+        linear_cost([100, 100])
+
+
+def test_a_miscounted_measurement_is_an_error_not_a_whole_branch(monkeypatch):
+    # What the CUDA run did: the two-unit graph measured no more than the one-unit graph. The
+    # old fit turned that into one byte per unit, so the branch ran whole. Now it is refused.
+    calls = iter([1000, 1000] * 10)
+    monkeypatch.setattr(engine, "graph_bytes", lambda build, free=(): next(calls))
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=1)
+    pareprop.set_engine(model, "reversible")
+    pareprop.set_chunking(model, max_bytes=2**20)
+    with pytest.raises(RuntimeError, match="block 0 .* branch f"):
+        model(torch.randn(2, 3, 32, 32))
+
+
+def test_rev_vit_base_chunk_counts_and_transient_where_cuda_ran_whole():
+    # Planned on fake tensors (nothing allocated), at 3500 and at 4000 where one block's G ran
+    # whole on CUDA: every G splits its 196 tokens into the count the measured per-token cost
+    # gives at 256 MiB, never 1, in forward and backward, and the step's transient grows with
+    # the batch, not by a whole-batch MLP map.
+    seen = []
+    count_for = pareprop.chunking.Chunking.count_for
+
+    def spy(self, size, fixed=0.0, per_unit=0.0):
+        count = count_for(self, size, fixed, per_unit)
+        seen.append((size, fixed, per_unit, count))
+        return count
+
+    transient = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pareprop.chunking.Chunking, "count_for", spy)
+        for batch in (3500, 4000):
+            seen.clear()
+            report = pareprop.plan_memory("rev_vit_base_patch16_224", batch, "reversible",
+                                          amp="bf16", depth=2, chunk_bytes="256MiB")
+            transient[batch] = report.transient
+            tokens = [s for s in seen if s[0] == 196]
+            assert len(tokens) >= 4  # G of both blocks, forward and backward
+            for size, fixed, per_unit, count in tokens:
+                # at bf16 a token of G keeps fc1's and GELU's 3072-wide maps at least
+                assert per_unit > batch * 3072 * 2 * 2
+                units = int((256 * 2**20 - fixed) // per_unit)
+                assert count == math.ceil(196 / units) > 1
+    # linear in the batch: a whole-batch MLP map (4.8 GB at 4000) would break it by 30%
+    assert transient[4000] / transient[3500] == pytest.approx(4000 / 3500, rel=0.02)
+
+
+def test_graph_bytes_leaves_nothing_alive():
+    # autograd keeps a saved tensor's pack hook in the graph; a hook that holds the graph's
+    # output would make a cycle the collector cannot see, and every measurement would leak
+    # its graph (3.4 GiB of Rev-ViT-B's planned peak at batch 6520 before this was found).
+    import gc
+    import weakref
+
+    refs = []
+
+    def build():
+        leaf = torch.randn(64, 64, requires_grad=True)
+        hidden = leaf.exp()
+        out = hidden.sin()
+        refs.extend([weakref.ref(hidden), weakref.ref(out)])
+        return out, [leaf]
+
+    assert graph_bytes(build) == 2 * 64 * 64 * 4
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
