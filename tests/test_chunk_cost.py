@@ -85,7 +85,7 @@ def test_rev_vit_base_chunk_counts_and_transient_where_cuda_ran_whole():
             transient[batch] = report.transient
             tokens = [s for s in seen if s[0] == 196]
             assert len(tokens) >= 4  # G of both blocks, forward and backward
-            for size, fixed, per_unit, count in tokens:
+            for _size, fixed, per_unit, count in tokens:
                 # at bf16 a token of G keeps fc1's and GELU's 3072-wide maps at least
                 assert per_unit > batch * 3072 * 2 * 2
                 units = int((256 * 2**20 - fixed) // per_unit)

@@ -150,8 +150,7 @@ def test_stored_blocks_with_chunks(stored):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("stored", [[], [1]])
 def test_debug_reconstruction_checks_every_recomputed_block_with_chunks(engine, stored):
-    # PaReprop rebuilds X1 of a chunked block half a block late, or (bottom block, block above
-    # a stored one) only for the check: every recomputed block is still checked.
+    # Every recomputed block is checked, stored ones mixed in, under both reversible engines.
     model = _model("vit")
     pareprop.set_engine(model, engine)
     model.stack.store_blocks(stored)
@@ -165,42 +164,41 @@ def test_debug_reconstruction_checks_every_recomputed_block_with_chunks(engine, 
         assert e1 < 1e-12 and e2 < 1e-12, (index, e1, e2)  # a NaN (never checked) fails too
 
 
-def test_pareprop_with_chunks_holds_about_one_stream_more_than_reversible():
-    # PaReprop's recover(l-1) runs beside grads(l), which reads block l's Y1 and X2, so it
-    # writes X1 of block l and X2 of block l-1 into new maps (NOTE [ Chunked backward ]). In
-    # half steps Y1 is released between the two (NOTE [ Chunked PaReprop in half steps ]):
-    # one map more than "reversible" below the top block. It used to hold rebuilt copies of the
-    # block above, both outputs of the stack and copies of the gradients too (about seven maps
-    # more), then Y1 through the whole step (1.8 maps more; this test failed both times).
+def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
+    # NOTE [ Chunking runs Reprop ]: a chunked stack under "pareprop" runs Reprop's schedule,
+    # so it calls its branches' chunks as often as "reversible" does (the old chunked PaReprop
+    # rebuilt each block once more: 22 calls against 12 on this model), holds what it holds,
+    # and never creates lanes.
+    from pareprop import engine as engine_module
+
+    calls = {}
+    count_lanes = []
+    run_chunks = engine_module._run_chunks
+    monkeypatch.setattr(engine_module, "_Lanes",
+                        lambda *a, **k: count_lanes.append(1) or pytest.fail("lanes created"))
+
+    def counting(plan, index, name, x, split, count, *args, **kwargs):
+        calls[plan.engine] = calls.get(plan.engine, 0) + (count if split is not None else 1)
+        return run_chunks(plan, index, name, x, split, count, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_run_chunks", counting)
     torch.manual_seed(0)
-    model = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=32, depth=4,
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=32, depth=3,
                                   num_heads=4, num_classes=10)
     pareprop.set_chunking(model, chunks=2)
-    x = torch.randn(32, 3, 32, 32)
-    peaks = {e: pareprop.memory_report(model, x, engine=e, optimizer="sgd")
-             for e in ENGINES}
-    stream = 32 * 64 * 32 * x.element_size()  # batch x tokens x channels
-    extra = (peaks["pareprop"].peak - peaks["reversible"].peak) / stream
-    assert extra < 1.5, f"PaReprop holds {extra:.1f} stream maps more than reversible"
-
-
-def test_pareprop_top_block_holds_no_more_than_reversible_on_swin():
-    # Rev-Swin's peak is the top block of its first stage, where both engines hold the stack's
-    # incoming gradients (autograd's) beside their own. In half steps, with dX2 written into X2,
-    # PaReprop's top step holds what "reversible" holds (NOTE [ Chunked PaReprop in half
-    # steps ]). Before, it held Y1 through the step and a copy of dY2: 1.2 maps more here,
-    # which made Rev-Swin-T's planned largest batch 0.81x Reprop's.
-    torch.manual_seed(0)
-    model = pareprop.create_model("rev_swin_tiny_32", img_size=32, embed_dim=32, depths=(2, 2),
-                                  num_heads=(2, 4), window=4, patch_size=2, num_classes=10)
-    model.set_grad_checkpointing()
-    pareprop.set_chunking(model, chunks=4)
-    x = torch.randn(32, 3, 32, 32)
-    peaks = {e: pareprop.memory_report(model, x, engine=e, optimizer="sgd")
-             for e in ENGINES}
-    stream = 32 * 16 * 16 * 32 * x.element_size()  # the first stage's map: batch x 16 x 16 x C
-    extra = (peaks["pareprop"].peak - peaks["reversible"].peak) / stream
-    assert extra < 0.5, f"PaReprop holds {extra:.1f} stream maps more than reversible"
+    x = torch.randn(8, 3, 32, 32)
+    peaks = {}
+    for e in ("reversible", "pareprop"):
+        pareprop.set_engine(model, e)
+        peaks[e] = pareprop.memory_report(model, x, optimizer="sgd").peak
+    assert calls["pareprop"] == calls["reversible"] == 3 * 2 * 2 * 2  # fwd + bwd, F and G
+    assert peaks["pareprop"] == peaks["reversible"]
+    assert not count_lanes
+    assert pareprop.chosen_schedule(model) == "reversible"
+    (state, why), = pareprop.schedule_reasons(model).values()
+    assert state == "reversible" and "chunking is for memory" in why
+    pareprop.set_chunking(model)
+    assert pareprop.chosen_schedule(model) == "pareprop"
 
 
 def test_block_without_a_split_runs_whole_under_chunking():

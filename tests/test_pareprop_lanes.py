@@ -152,59 +152,6 @@ def test_each_step_runs_on_its_blocks_lane_after_the_step_before(monkeypatch, st
         assert waits == want, (kind, index, waits)
 
 
-def test_chunked_half_steps_wait_for_the_readers_of_what_they_free_or_overwrite(monkeypatch):
-    # NOTE [ Chunked PaReprop in half steps ]: recover(l-1) and grads(l) run in two halves with
-    # a barrier between them (Y1(l) is released there), and the top block, whose incoming
-    # gradients are autograd's, waits for recover's copy of X2(l) before writing dX2 into it.
-    log = []
-
-    def logging(name):
-        step = getattr(engine_module, name)
-
-        def logged(plan, index, *args, **kwargs):
-            log.append((name.strip("_"), index, engine_module.current_lane()))
-            return step(plan, index, *args, **kwargs)
-
-        return logged
-
-    for name in ("_recover", "_grads", "_finish_pending", "_recover_x2", "_grads_g_chunked",
-                 "_grads_f_chunked"):
-        monkeypatch.setattr(engine_module, name, logging(name))
-
-    def mark(self, block_index):
-        log.append(("mark", block_index))
-        return len(log) - 1
-
-    def wait(self, block_index, event):
-        if event is not None:
-            log.append(("wait", block_index, event))
-
-    monkeypatch.setattr(engine_module._Lanes, "mark", mark)
-    monkeypatch.setattr(engine_module._Lanes, "wait", wait)
-    model = Model(3)
-    pareprop.set_chunking(model, chunks=2)
-    model(torch.randn(2, 3, DIM)).pow(2).sum().backward()
-    assert _block_lanes([False] * 3) == [M, S, M]
-    assert log == [
-        ("recover", 2, M), ("finish_pending", 3, M), ("recover_x2", 2, M), ("mark", 2),  # 3
-        # block 2 (top) beside the recover of block 1: first halves
-        ("wait", 1, 3), ("finish_pending", 2, S), ("mark", 1),  # 6: X1(2) rebuilt
-        ("grads_g_chunked", 2, M), ("mark", 2),  # 8: G's gradients
-        ("wait", 2, 6), ("wait", 1, 8),  # the barrier; Y1(2) is released after it
-        ("mark", 1),  # 11: recover's copy of X2(2)
-        ("recover_x2", 1, S), ("mark", 1),  # 13: recover(1) done
-        ("wait", 2, 11), ("grads_f_chunked", 2, M), ("mark", 2),  # 16: dX2 written into X2(2)
-        # block 1 beside the recover of block 0
-        ("wait", 0, 13), ("wait", 0, 16), ("finish_pending", 1, M), ("mark", 0),  # 20
-        ("wait", 1, 16), ("grads_g_chunked", 1, S), ("mark", 1),  # 23
-        ("wait", 1, 20), ("wait", 0, 23),  # the barrier
-        ("mark", 0), ("recover_x2", 0, M), ("mark", 0),  # 26, 28
-        # gradients of block 1 are the engine's own: dX2 in place in dY2, no wait for the copy
-        ("grads_f_chunked", 1, S), ("mark", 1),  # 30
-        ("wait", 0, 30), ("grads", 0, M), ("grads_g_chunked", 0, M), ("grads_f_chunked", 0, M),
-    ]
-
-
 def _accumulate_grad_variables(graph_root):
     """The leaves (variables of AccumulateGrad nodes) a graph ends in."""
     seen, found, todo = set(), [], [graph_root]

@@ -11,6 +11,7 @@ from pareprop.engine import (
     ReversibleStack,
     chosen_schedule,
     debug_reconstruction,
+    schedule_reasons,
     set_chunking,
 )
 from pareprop.memory import (
@@ -33,6 +34,7 @@ __all__ = [
     "ReversibleStack",
     "set_engine",
     "chosen_schedule",
+    "schedule_reasons",
     "set_chunking",
     "compile_blocks",
     "uncompile_blocks",

@@ -62,6 +62,7 @@ __all__ = [
     "set_block_checkpointing",
     "debug_reconstruction",
     "chosen_schedule",
+    "schedule_reasons",
 ]
 
 ENGINES = ("autograd", "reversible", "pareprop")
@@ -503,9 +504,6 @@ class _Plan:
     # them, and their versions at forward.
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
-    # PaReprop with chunks: the block whose X1 the next recover rebuilds (its Y1 is handed
-    # down in X1's place; NOTE [ Chunked backward ]).
-    pending_x1: Optional[int] = None
     # Under "pareprop": the stack's choice between PaReprop and Reprop (pareprop/schedule.py).
     schedule: Optional[ScheduleChoice] = None
 
@@ -629,8 +627,6 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
         plan.sharding.gather(index)
     if plan.stored[index]:
         return _take_stored(plan, index)
-    if plan.chunking is not None:
-        return _recover_chunked(plan, index, y1, y2)
     block, record = plan.blocks[index], plan.records[index]
     plan.keywords.check(index, block)
     with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
@@ -731,8 +727,6 @@ def _grads(
     dy2: Tensor,
     param_grads: List[Optional[Tensor]],
 ) -> Tuple[Tensor, Tensor]:
-    if rebuilt.g_out is None:
-        return _grads_chunked(plan, index, rebuilt, dy1, dy2, param_grads)
     owned = plan.block_params[index]
     params = [p for _, p in owned]
     if plan.sharding is not None:  # a sharded block's gradients go to FSDP, not the Function
@@ -783,63 +777,21 @@ def _grads(
 # backward returns: a block's backward holds two streams, their two gradients, those two, and
 # one chunk's graph with its gradients.
 #
-# Under "pareprop", recover(l-1) runs beside grads(l) (NOTE [ PaReprop on two CUDA streams ]),
-# and grads(l) reads block l's Y1 (G's input) and X2 (F's input), so recover cannot rebuild in
-# their storage. It rebuilds without a graph, chunk by chunk, into new maps, and grads rebuilds
-# each chunk's graph again to backpropagate through it: one more forward of the block than
-# without chunks, in exchange for not holding two blocks' whole graphs. To hold as few maps
-# as the overlap allows, recover runs half a block late: recover(l-1) rebuilds X1 of block l
-# (= Y1 - F(X2), block l's F) and then X2 of block l-1 (Y2 - G(Y1) with Y1, Y2 of block l-1
-# being X1, X2 of block l), both independent of grads(l). Block l's X1 is not needed before:
-# grads(l) reads Y1 and X2, and only block l-1 reads X1 (as its Y1). So while grads(l) runs,
-# four stream maps are alive: block l's Y1 and X2, and the two new ones ("reversible" holds
-# two). Where both blocks are recomputed in chunks (and not sharded), the step runs in two
-# halves so that Y1 is released once G is done with it, and the top block writes dX2 into X2:
-# three maps and no more gradients than "reversible" hold (NOTE [ Chunked PaReprop in half
-# steps ]). Elsewhere Y1 stays until grads(l) returns: recover(l-1) reads it on the other lane,
-# and freeing it would let grads(l)'s lane reuse memory the other lane may still read (NOTE
-# [ Tensor lifetimes across streams ]: a block's streams are freed once their last reader is
-# queued, and that is grads(l)). The bottom block's X1 (the stack's input) is never
-# rebuilt, nor that of a block below which a stored block sits (the stored block kept its
-# inputs), except for debug_reconstruction's check; under FSDP, where only a block and the one
-# above are gathered at a time, each recover rebuilds its own X1. The gradients are rebuilt in
-# place below the top block, as under "reversible" (the block above, chunked, handed down
-# its own tensors), and the stack's outputs are released once the top block is recovered.
+# Under "pareprop" a chunked stack runs this same schedule, Reprop's (NOTE [ Chunking runs
+# Reprop ]).
 # Stored blocks keep their whole graphs from forward.
 
 
-# NOTE [ Chunked PaReprop in half steps ]
-# A PaReprop step of chunked blocks used to hold four stream maps and, at the top block, four
-# gradient maps: block l's Y1 and X2 (read by grads(l)), the new X1(l) and X2(l-1) (written by
-# recover(l-1)), the stack's incoming dY1, dY2 (autograd holds them until the stack's backward
-# returns) and grads(l)'s copies of them, dY1' and dX2. "reversible" holds two streams and
-# the same four gradients, so on Rev-Swin-T, whose peak is the top block of the 56x56 stage,
-# PaReprop's largest batch was 0.81x Reprop's. Each half of the step reads less than the whole:
-#   first half:  recover X1(l) = (copy of Y1(l) - F(X2(l))) / beta   beside   grads of G(Y1(l))
-#   barrier:     each lane waits for the other lane's first half; Y1(l) is released
-#   second half: recover X2(l-1) = (copy of X2(l) - G(X1(l))) / beta  beside  grads of F(X2(l))
-# so three stream maps are alive at a time (Y1, X2, X1 and then X2, X1, X2(l-1)), and the top
-# block, whose incoming gradients are autograd's, writes dX2 = beta dY2 + dF into X2(l)'s own
-# storage rather than into a copy of dY2: chunk by chunk, each chunk once its graph is
-# backpropagated and freed (the chunk's input gradient covers exactly its slice of X2, which no
-# later chunk reads), so the top step holds what "reversible" holds. Below the top block the
-# gradients were already rebuilt in place; there the step holds one stream map more than
-# "reversible" instead of two.
-# Why this is safe on two streams (NOTE [ Tensor lifetimes across streams ]):
-#   * Y1(l) is read by grads-G(l) on lane l and, once, by recover's copy on lane l-1. It is
-#     released on the host after the barrier is queued: every later kernel of either lane runs
-#     after both readers, so whichever stream's pool Y1 was allocated from, no kernel that
-#     reuses it can run before its readers are done (a tensor that came from the main stream
-#     with record_stream is held back by the allocator anyway).
-#   * X2(l) is read by recover(l-1) (F over it in the first half, then a copy at the start of the
-#     second half) and by grads-F(l)'s chunks. grads-F(l) writes into it only after waiting for
-#     the event marked right after that copy (and after the barrier, so after the first half's
-#     reads); its own chunks are in stream order on its lane.
-#   * The barrier costs little overlap: each recover half is one branch's forward without a
-#     graph, shorter than the other lane's half, a branch's forward and backward; the wait for
-#     the copy of X2 is one copy.
-# The chains of events of the whole steps stay as they were: recover(l-1)'s first half waits for
-# recover(l) and grads(l+1), grads(l)'s first half for grads(l+1).
+# NOTE [ Chunking runs Reprop ]
+# Chunking is for memory, PaReprop for idle device time, and they do not combine. PaReprop
+# rebuilds block l-1 beside block l's gradients, so it cannot rebuild in the storage that
+# block l still reads: a chunked block would be rebuilt once without a graph into new maps,
+# and then once more, chunk by chunk, with a graph to differentiate (a depth-3 Rev-ViT with 2
+# chunks ran its branches' chunks 22 times in backward against Reprop's 12), holding more
+# stream maps than Reprop to do so; it measured 0.82-0.87x chunked Reprop's speed on an H200
+# (2026-12-04), and the largest batches where chunking matters fill the device with one block
+# anyway. So a chunked stack under "pareprop" runs Reprop's schedule, in place, and
+# :func:`schedule_reasons` says so.
 
 
 def _branch_chunking(
@@ -909,16 +861,11 @@ def _run_chunks(
     grad_into: Optional[Tensor] = None,
     param_grads: Optional[List[Optional[Tensor]]] = None,
     sums: Optional[Set[int]] = None,
-    grad_base: Optional[Tensor] = None,
-    base_scale: Optional[Tensor] = None,
 ) -> None:
     """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
     subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk
     is backpropagated at once, its input gradient added into ``grad_into`` and its parameter
-    gradients into ``param_grads``, and its graph freed before the next chunk. With
-    ``grad_base``, each chunk of ``grad_into`` is first set to ``base_scale`` times that chunk
-    of ``grad_base``, once the chunk's graph is freed: ``grad_into`` may then be ``x`` itself.
-    """
+    gradients into ``param_grads``, and its graph freed before the next chunk."""
     block = plan.blocks[index]
     owned = plan.block_params[index]
     params = [p for _, p in owned]
@@ -949,8 +896,6 @@ def _run_chunks(
                 grad_in, *grads = _vjp(out, [leaf, *params], part)
             del out, leaf  # the chunk's graph is gone; its gradients remain
             into = _chunk_input(grad_into, split, chunk)
-            if grad_base is not None:  # grad_into starts as base_scale * grad_base, per chunk
-                _skip_(base_scale, into.copy_(_chunk_input(grad_base, split, chunk)))
             if grad_in is not None:
                 into.add_(grad_in)
             _add_param_grads(owned, grads, param_grads, sums)
@@ -1030,141 +975,6 @@ def _block_chunked(
         plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
     streams[:] = [x1, x2]
     return dy1_total, dx2
-
-
-def _recover_chunked(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
-    """PaReprop's recover of a chunked block, without a graph, chunk by chunk, half a block
-    late (NOTE [ Chunked backward ]): first X1 of the block above, if it was left pending
-    (``y1`` is then that block's Y1), then this block's X2; its X1 is left pending."""
-    y1 = _finish_pending(plan, index + 1, y1, y2)
-    return _recover_x2(plan, index, y1, y2.clone())
-
-
-def _finish_pending(plan: _Plan, above: int, y1: Tensor, x2: Tensor) -> Tensor:
-    """Block ``above``'s X1 = (Y1 - F(X2)) / beta into a copy of its Y1 ``y1``, if it was left
-    pending; else ``y1`` (already that block's X1)."""
-    if plan.pending_x1 != above:
-        return y1
-    x1 = _rebuild_input(plan, above, "f", x2, y1.clone())
-    plan.pending_x1 = None
-    _check_pending(plan, above, x1, x2)
-    return x1
-
-
-def _recover_x2(plan: _Plan, index: int, y1: Tensor, into: Tensor) -> _Rebuilt:
-    """Block ``index``'s X2 rebuilt in ``into`` (a copy of its Y2) from its Y1 ``y1``; its X1
-    left pending where the next recover finishes it."""
-    plan.keywords.check(index, plan.blocks[index])
-    x2 = _rebuild_input(plan, index, "g", y1, into)
-    # FSDP gathers at most this block and the one above; below a stored block nothing reads
-    # this block's X1 (the stored block kept its inputs); the bottom block's X1 is the stack's
-    # input, which nothing reads either. So X1 is left pending only where the next recover
-    # finishes it, and otherwise rebuilt now (sharded) or never (debug checks aside).
-    if plan.sharding is not None:
-        x1 = _rebuild_input(plan, index, "f", x2, y1.clone())
-        _check_pending(plan, index, x1, x2)
-        return _Rebuilt(y1, None, x2, None, x1)
-    if index > 0 and not plan.stored[index - 1]:
-        plan.pending_x1 = index
-    elif plan.records[index].inputs is not None:  # debug_reconstruction: check X1 all the same
-        _check_pending(plan, index, _rebuild_input(plan, index, "f", x2, y1.clone()), x2)
-    return _Rebuilt(y1, None, x2, None, y1)
-
-
-def _rebuild_input(plan: _Plan, index: int, name: str, x: Tensor, into: Tensor) -> Tensor:
-    """``into = (into - branch(x)) / beta`` for branch ``name`` of block ``index``, chunk by
-    chunk and without a graph: X2 from Y2 (branch G of Y1), X1 from Y1 (branch F of X2)."""
-    record = plan.records[index]
-    rng = record.f_rng if name == "f" else record.g_rng
-    with torch.no_grad(), plan.autocast.replay(), plan.backends.replay(), \
-            record.modes.replay(), _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, name, x, rng)
-        _run_chunks(plan, index, name, x, split, count, rng, subtract_from=into)
-    return _unskip_(_plan_beta(plan, index), into)
-
-
-def _check_pending(plan: _Plan, index: int, x1: Tensor, x2: Tensor) -> None:
-    inputs = plan.records[index].inputs
-    if inputs is not None:
-        _check_reconstruction(plan, index, (x1, x2), inputs)
-
-
-def _grads_chunked(
-    plan: _Plan,
-    index: int,
-    rebuilt: _Rebuilt,
-    dy1: Tensor,
-    dy2: Tensor,
-    param_grads: List[Optional[Tensor]],
-) -> Tuple[Tensor, Tensor]:
-    """PaReprop's grads of a chunked block: each chunk's graph rebuilt and backpropagated.
-    Below the top block the gradients are rebuilt in place, as under "reversible"."""
-    if plan.sharding is not None:
-        param_grads = [None] * len(plan.block_params[index])
-    sums: Set[int] = set()
-    dy1_total = _grads_g_chunked(plan, index, rebuilt.y1, dy1, dy2, param_grads, sums)
-    dx1, dx2 = _grads_f_chunked(plan, index, rebuilt.x2, dy1_total, dy2, param_grads, sums)
-    if plan.sharding is not None:
-        plan.sharding.reduce(index, [p for _, p in plan.block_params[index]], param_grads)
-    return dx1, dx2
-
-
-def _grads_g_chunked(
-    plan: _Plan,
-    index: int,
-    y1: Tensor,
-    dy1: Tensor,
-    dy2: Tensor,
-    param_grads: List[Optional[Tensor]],
-    sums: Set[int],
-) -> Tensor:
-    """G's half of a chunked block's grads: dY2 flows into G(Y1), whose input gradient joins
-    dY1 (in place below the top block). Returns the total dY1."""
-    record = plan.records[index]
-    dy1_total = dy1 if _owns_gradients(plan, index) else dy1.clone()
-    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
-            _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, "g", y1, record.g_rng)
-        _run_chunks(plan, index, "g", y1, split, count, record.g_rng,
-                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
-    return dy1_total
-
-
-def _grads_f_chunked(
-    plan: _Plan,
-    index: int,
-    x2: Tensor,
-    dy1_total: Tensor,
-    dy2: Tensor,
-    param_grads: List[Optional[Tensor]],
-    sums: Set[int],
-    into_x2: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """F's half: the total dY1 flows into F(X2), whose input gradient joins beta dY2 (in place
-    below the top block). With ``into_x2`` dX2 is written into X2's own storage, chunk by
-    chunk once the chunk is backpropagated (NOTE [ Chunked PaReprop in half steps ])."""
-    record = plan.records[index]
-    beta = _plan_beta(plan, index)
-    if into_x2:
-        dx2, base = x2, dy2
-    else:
-        dx2, base = _skip_(beta, dy2 if _owns_gradients(plan, index) else dy2.clone()), None
-    with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
-            _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
-        _run_chunks(plan, index, "f", x2, split, count, record.f_rng,
-                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums,
-                    grad_base=base, base_scale=beta)
-    return _skip_(beta, dy1_total), dx2
-
-
-def _owns_gradients(plan: _Plan, index: int) -> bool:
-    """Whether the gradients flowing into block ``index`` are the engine's own, to rebuild in
-    place: they are when the block above ran chunked (its gradients are written into copies
-    or into what it received), not when they come from autograd (the top block) or from a
-    stored block's whole-branch grads, which may hand back what it was given."""
-    above = index + 1
-    return above < len(plan.blocks) and plan.chunking is not None and not plan.stored[above]
 
 
 def _skip_(beta: Optional[Tensor], x: Tensor) -> Tensor:
@@ -1460,8 +1270,7 @@ def _backward_pareprop(plan, streams, dy1, dy2, param_grads):
 
 def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     # See NOTE [ Tensor lifetimes across streams ] for the two chains of events. ``streams``
-    # (the stack's outputs) is emptied once the top block is recovered: a chunked stack holds
-    # them nowhere else, so they are freed once nothing reads them.
+    # (the stack's outputs) is emptied once the top block is recovered.
     last = len(plan.blocks) - 1
     for t in (*streams, dy1, dy2):
         lanes.from_main(t, last)
@@ -1472,11 +1281,6 @@ def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     recovered = lanes.mark(last)
     grads_done = None  # the top block's dY comes from the main stream, already waited for
     for index in range(last, 0, -1):
-        if _half_steps(plan, index):  # NOTE [ Chunked PaReprop in half steps ]
-            rebuilt, aliases, dy1, dy2, recovered, grads_done = _half_step_pair(
-                plan, lanes, index, rebuilt, dy1, dy2, param_grads, aliases, recovered,
-                grads_done)
-            continue
         # recover(index-1) after recover(index) and grads(index+1).
         x1, x2 = rebuilt.x1, _detached(rebuilt.x2)
         lanes.wait(index - 1, recovered)
@@ -1495,62 +1299,6 @@ def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     lanes.wait(0, grads_done)
     with lanes.run_on(0), _aliased(plan, 0, aliases):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
-
-
-def _half_steps(plan: _Plan, index: int) -> bool:
-    """Whether recover(index-1) and grads(index) run in halves (NOTE [ Chunked PaReprop in half
-    steps ]): both blocks recomputed in chunks, unsharded, block index's X1 pending."""
-    return (plan.chunking is not None and plan.sharding is None
-            and not plan.stored[index] and not plan.stored[index - 1]
-            and plan.pending_x1 == index)
-
-
-def _half_step_pair(plan, lanes, index, rebuilt, dy1, dy2, param_grads, aliases, recovered,
-                    grads_done):
-    """recover(index-1) beside grads(index), in two halves with a barrier between them."""
-    below = index - 1
-    below_aliases = _param_aliases(plan, below)
-    x2 = _detached(rebuilt.x2)
-    # First halves: block index's X1 (reads its Y1 once, in a copy, and its X2) beside
-    # G's gradients (reads Y1).
-    lanes.wait(below, recovered)
-    lanes.wait(below, grads_done)
-    with lanes.run_on(below), _aliased(plan, below, below_aliases), \
-            torch.profiler.record_function("pareprop::recover"):
-        x1 = _finish_pending(plan, index, rebuilt.y1, x2)
-    first_recovered = lanes.mark(below)
-    lanes.wait(index, grads_done)
-    sums: Set[int] = set()
-    with lanes.run_on(index), _aliased(plan, index, aliases), \
-            torch.profiler.record_function("pareprop::grads"):
-        dy1 = _grads_g_chunked(plan, index, rebuilt.y1, dy1, dy2, param_grads, sums)
-    g_done = lanes.mark(index)
-    # Barrier: both lanes go on after both readers of Y1, which is released here.
-    lanes.wait(index, first_recovered)
-    lanes.wait(below, g_done)
-    rebuilt.y1 = rebuilt.x1 = None
-    # Second halves: block index-1's X2 from a copy of block index's X2, beside F's gradients,
-    # which write dX2 into that X2 where the incoming gradients are not ours (the top block).
-    with lanes.run_on(below), _aliased(plan, below, below_aliases), \
-            torch.profiler.record_function("pareprop::recover"):
-        into = x2.clone()
-        copied = lanes.mark(below)
-        previous = _recover_x2(plan, below, x1, into)
-    del x1, into
-    recovered = lanes.mark(below)
-    into_x2 = not _owns_gradients(plan, index) and _same_layout(x2, dy2)
-    if into_x2:
-        lanes.wait(index, copied)
-    with lanes.run_on(index), _aliased(plan, index, aliases), \
-            torch.profiler.record_function("pareprop::grads"):
-        dy1, dy2 = _grads_f_chunked(plan, index, x2, dy1, dy2, param_grads, sums,
-                                    into_x2=into_x2)
-    grads_done = lanes.mark(index)
-    return previous, below_aliases, dy1, dy2, recovered, grads_done
-
-
-def _same_layout(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _take_outputs(plan: _Plan) -> List[Optional[Tensor]]:
@@ -1634,7 +1382,7 @@ class _ReversibleFunction(torch.autograd.Function):
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
         entry = _RngState.capture(plan.device)
         schedule, trial = "reversible", None
-        if plan.engine == "pareprop":
+        if plan.engine == "pareprop" and plan.chunking is None:  # NOTE [ Chunking runs Reprop ]
             schedule, trial = (("pareprop", None) if plan.schedule is None
                                else plan.schedule.begin(plan.device))
         try:
@@ -1980,17 +1728,29 @@ def chosen_schedule(module: nn.Module) -> Optional[str]:
         pareprop/schedule.py); ``"mixed"`` when they settled differently; None when no stack
         uses engine ``"pareprop"``.
     """
-    states = set()
-    for path, m in module.named_modules():
-        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
-            device = next((p.device for p in m.parameters()), torch.device("cpu"))
-            m._schedule.label = _stack_label(path, m)
-            states.add(m._schedule.state(device))
+    states = {state for state, _ in schedule_reasons(module).values()}
     if not states:
         return None
     if "measuring" in states:
         return "measuring"
     return states.pop() if len(states) == 1 else "mixed"
+
+
+def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
+    """For each stack under engine ``"pareprop"`` inside ``module`` (by its path): what it runs
+    in backward (as :func:`chosen_schedule` says) and why, in a line."""
+    reasons = {}
+    for path, m in module.named_modules():
+        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
+            if m.chunking is not None:
+                reasons[path] = ("reversible", "chunked branches run Reprop's schedule: chunking "
+                                 "is for memory, PaReprop for idle device time (NOTE [ Chunking "
+                                 "runs Reprop ])")
+                continue
+            device = next((p.device for p in m.parameters()), torch.device("cpu"))
+            m._schedule.label = _stack_label(path, m)
+            reasons[path] = (m._schedule.state(device), m._schedule.reason(device))
+    return reasons
 
 
 def _call_block(

@@ -92,6 +92,7 @@ class ScheduleChoice:
         self.trials: List[_Trial] = []
         self.clock: Optional[Any] = None
         self.times: Dict[str, float] = {}
+        self.why = ""
 
     # A model is deep-copied (EMA, checkpoint tools) and pickled: CUDA events are neither, and
     # a copy measures for itself anyway.
@@ -110,6 +111,17 @@ class ScheduleChoice:
             return self.chosen
         return "measuring" if self.clock is not None or clock_for(device) is not None \
             else "pareprop"
+
+    def reason(self, device: torch.device) -> str:
+        """Why :meth:`state` is what it is, in a line."""
+        state = self.state(device)
+        if not self.enabled:
+            return "the fallback is off (set_engine(..., fallback=False))"
+        if state == "measuring":
+            return "timing both schedules on the first backward passes"
+        if self.why:
+            return self.why
+        return "on the CPU both schedules run in program order: nothing to measure"
 
     def begin(self, device: torch.device) -> Tuple[str, Optional[_Trial]]:
         """The schedule of the backward pass that starts now, and its trial if it is timed."""
@@ -157,6 +169,9 @@ class ScheduleChoice:
         else:
             chosen, why = "pareprop", "PaReprop was at least as fast"
         self.chosen, self.times = chosen, times
+        self.why = (f"{why} (PaReprop {times['pareprop']:.3f} ms, Reprop "
+                    f"{times['reversible']:.3f} ms per backward, median of {self.TRIALS}; "
+                    f"allocator retries {retries['pareprop']} / {retries['reversible']})")
         self.trials, self.clock = [], None
         log = logger.info if chosen == "pareprop" else logger.warning
         log("%s: PaReprop %.3f ms, Reprop %.3f ms per backward (median of %d; allocator "
