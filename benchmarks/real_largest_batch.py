@@ -30,10 +30,9 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
-import torch.nn.functional as F
+from _steps import build, inputs_for, training_step
 
 import pareprop
-from pareprop import catalog
 from pareprop.chunking import Chunking, _parse_bytes
 from pareprop.memory import memory_report
 
@@ -122,13 +121,10 @@ class Case:
     def __init__(self, spec: argparse.Namespace, args: argparse.Namespace):
         self.spec, self.args = spec, args
         self.device = torch.device(args.device)
-        request = catalog.ModelRequest(
-            model=spec.model, engine=spec.engine, img_size=args.img_size, depth=spec.depth,
-            grad_checkpointing=spec.grad_checkpointing)
-        self.request = request
-        self.model = catalog.build_model(request).to(self.device)
-        if spec.chunk_bytes:
-            pareprop.set_chunking(self.model, max_bytes=spec.chunk_bytes)
+        self.model, self.request = build(
+            spec.model, spec.engine, self.device, img_size=args.img_size,
+            chunk_bytes=spec.chunk_bytes, grad_checkpointing=spec.grad_checkpointing,
+            depth=spec.depth)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.planned = int(spec.planned) if spec.planned != "plan" else self.plan()
 
@@ -147,13 +143,13 @@ class Case:
         record: Dict[str, Any] = dict(batch=batch)
         inputs = None
         try:
-            inputs = catalog.example_inputs(self.model, self.request, batch, self.device)
+            inputs = inputs_for(self.model, self.request, batch, self.device)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             with chunk_counts() as counts:
                 if self.device.type == "cuda":
-                    self._step(inputs)
+                    training_step(self.model, inputs, self.optimizer, self.args.amp)
                     torch.cuda.synchronize()
                     peak = torch.cuda.max_memory_allocated()
                 else:
@@ -170,16 +166,6 @@ class Case:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return record
-
-    def _step(self, inputs: Any) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        amp = self.args.amp == "bf16"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = catalog.logits(self.model(*inputs))
-        target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        F.cross_entropy(logits.float(), target).backward()
-        del logits
-        self.optimizer.step()
 
     def trace(self, batch: int) -> List[str]:
         torch.cuda.memory._record_memory_history(max_entries=200_000)

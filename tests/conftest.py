@@ -23,3 +23,27 @@ def float64_seeded():
     torch.manual_seed(0)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _negative_control():
+    # benchmarks/gpu.sh's negative controls: with PAREPROP_DROP_WAIT=NAME the PaReprop schedule
+    # skips that one cross-stream wait (pareprop.engine's _Lanes.WAITS), so that the GPU tests
+    # can show they fail without it. Unset (always, outside gpu.sh), nothing changes.
+    import os
+
+    name = os.environ.get("PAREPROP_DROP_WAIT")
+    if not name:
+        yield
+        return
+    from pareprop.engine import _Lanes
+
+    if name not in _Lanes.WAITS:
+        raise pytest.UsageError(f"PAREPROP_DROP_WAIT: expected one of {_Lanes.WAITS}, got {name!r}")
+    wait, join = _Lanes.wait, _Lanes.join
+    if name == "join":
+        _Lanes.join = lambda self: None
+    else:
+        _Lanes.wait = lambda self, i, event, n: None if n == name else wait(self, i, event, n)
+    yield
+    _Lanes.wait, _Lanes.join = wait, join

@@ -106,7 +106,7 @@ def _trace_schedule(monkeypatch, model, x):
     def mark(self, block_index):
         return log[-1][:2]
 
-    def wait(self, block_index, event):
+    def wait(self, block_index, event, name):
         if event is not None:
             log.append(("wait", block_index, event))
 

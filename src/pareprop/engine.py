@@ -1157,7 +1157,14 @@ class _Lanes:
             return None
         return self._stream(block_index).record_event()
 
-    def wait(self, block_index: int, event: Optional["torch.cuda.Event"]) -> None:
+    # The cross-stream waits of the schedule, by name. Each one is needed (NOTE [ Tensor
+    # lifetimes across streams ]); the GPU tests' negative controls drop one at a time
+    # (tests/conftest.py, PAREPROP_DROP_WAIT) and must then fail.
+    WAITS = ("recover-after-recover", "recover-after-grads", "grads-after-grads",
+             "bottom-grads-after-grads", "join")
+
+    def wait(self, block_index: int, event: Optional["torch.cuda.Event"], name: str) -> None:
+        """Block ``block_index``'s stream waits for ``event`` (one of :attr:`WAITS`)."""
         if self.enabled and event is not None:
             self._stream(block_index).wait_event(event)
 
@@ -1283,20 +1290,20 @@ def _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads):
     for index in range(last, 0, -1):
         # recover(index-1) after recover(index) and grads(index+1).
         x1, x2 = rebuilt.x1, _detached(rebuilt.x2)
-        lanes.wait(index - 1, recovered)
-        lanes.wait(index - 1, grads_done)
+        lanes.wait(index - 1, recovered, "recover-after-recover")
+        lanes.wait(index - 1, grads_done, "recover-after-grads")
         below = _param_aliases(plan, index - 1)
         with lanes.run_on(index - 1), _aliased(plan, index - 1, below):
             previous = _recover(plan, index - 1, x1, x2)
         del x1, x2
         recovered = lanes.mark(index - 1)
         # grads(index) on this block's lane, after grads(index+1).
-        lanes.wait(index, grads_done)
+        lanes.wait(index, grads_done, "grads-after-grads")
         with lanes.run_on(index), _aliased(plan, index, aliases):
             dy1, dy2 = _grads(plan, index, rebuilt, dy1, dy2, param_grads)
         grads_done = lanes.mark(index)
         rebuilt, aliases = previous, below  # block index's graph is released: two alive at most
-    lanes.wait(0, grads_done)
+    lanes.wait(0, grads_done, "bottom-grads-after-grads")
     with lanes.run_on(0), _aliased(plan, 0, aliases):
         return _grads(plan, 0, rebuilt, dy1, dy2, param_grads)
 

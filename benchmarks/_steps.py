@@ -1,0 +1,88 @@
+"""What the device scripts share: a model built by name in an engine, and one training step.
+
+The engines a script may name: the catalog's modes (``autograd``, ``reversible``,
+``pareprop``, ``checkpointed``, ``plain``) and ``pareprop-fallback``, engine "pareprop" with
+its fallback to Reprop on (NOTE [ PaReprop's fallback to Reprop ]); plain ``pareprop`` has it
+off, as benchmarks run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pareprop
+from pareprop import catalog
+
+
+def build(model: str, engine: str, device: torch.device, img_size: Optional[int] = None,
+          chunk_bytes: Optional[str] = None, grad_checkpointing: bool = False,
+          depth: Optional[int] = None, seed: int = 0) -> Tuple[nn.Module, catalog.ModelRequest]:
+    """``model`` in ``engine`` on ``device`` (seeded, so every engine starts from the same
+    weights), and the request it was built from (for its example inputs)."""
+    base = "pareprop" if engine == "pareprop-fallback" else engine
+    request = catalog.ModelRequest(model=model, engine=base, img_size=img_size, depth=depth,
+                                   grad_checkpointing=grad_checkpointing)
+    torch.manual_seed(seed)
+    net = catalog.build_model(request).to(device)
+    if base == "pareprop":
+        pareprop.set_engine(net, "pareprop", fallback=engine == "pareprop-fallback")
+    if chunk_bytes:
+        pareprop.set_chunking(net, max_bytes=chunk_bytes)
+    return net, request
+
+
+def inputs_for(net: nn.Module, request: catalog.ModelRequest, batch: int,
+               device: torch.device) -> Tuple[torch.Tensor, ...]:
+    return catalog.example_inputs(net, request, batch, device)
+
+
+def training_step(net: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                  optimizer: torch.optim.Optimizer, amp: Optional[str]) -> None:
+    """Forward under autocast (``amp`` "bf16", or None), cross-entropy, backward, the step."""
+    optimizer.zero_grad(set_to_none=True)
+    device = inputs[0].device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
+        logits = catalog.logits(net(*inputs))
+    target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=device)
+    F.cross_entropy(logits.float().flatten(0, -2), target.flatten()).backward()
+    optimizer.step()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Milliseconds of the work queued between ``start()`` and ``stop()``: CUDA events on a
+    GPU (the host never waits until ``read``), the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: list = []
+
+    def start(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        import time
+
+        return time.perf_counter()
+
+    def stop(self, start: Any) -> None:
+        self.marks.append((start, self.start()))
+
+    def read(self) -> list:
+        """The milliseconds of every stop, in order (waits for the device once)."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            out = [a.elapsed_time(b) for a, b in self.marks]
+        else:
+            out = [(b - a) * 1e3 for a, b in self.marks]
+        self.marks = []
+        return out
