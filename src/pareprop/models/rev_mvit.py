@@ -391,6 +391,11 @@ def checkpoint_filter_fn(
         raise PretrainedError(
             f"Rev-MViT-B weights are published by PySlowFast only; got a {layout} file"
         )
+    if "pos_embed_temporal" in state_dict:
+        raise PretrainedError(
+            "the file has temporal position embeddings ('pos_embed_temporal'): it is the video "
+            "Rev-MViT-B 16x4 (create 'rev_mvit_base_16x4'), not the image model"
+        )
     paths = model.block_paths()
     renames = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp.",
                "pre_q_fuse.fuse_fn.": "fuse."}
