@@ -33,10 +33,12 @@ of none left is ``None``, which :func:`evaluate_clips` and the trainer skip).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
 import random
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -53,6 +55,9 @@ __all__ = [
     "VideoFolder",
     "collate_videos",
     "evaluate_clips",
+    "evaluate_video",
+    "is_video_model",
+    "video_dataset",
     "require_av",
 ]
 
@@ -353,6 +358,9 @@ def evaluate_clips(
     device: Any = "cpu",
     average: str = "softmax",
     topk: Tuple[int, ...] = (1, 5),
+    amp: str = "none",
+    limit: Optional[int] = None,
+    progress: bool = False,
 ) -> Dict[str, float]:
     """Top-k accuracy over multi-view averages: each video's ``(V, C, T, H, W)`` views go
     through the model and their scores are averaged per video.
@@ -365,30 +373,109 @@ def evaluate_clips(
         average: ``"softmax"`` (the mean of the views' probabilities, as PySlowFast's test
             sums them) or ``"logits"``.
         topk: the k of each reported accuracy.
+        amp: ``"none"`` or ``"bf16"`` (autocast).
+        limit: stop after this many videos.
+        progress: show a progress bar (decoding dominates: it counts videos).
 
     Returns:
         ``{"top1": ..., "top5": ..., "videos": n}`` (accuracies in percent).
     """
+    from tqdm.auto import tqdm
+
     if average not in ("softmax", "logits"):
         raise ValueError(f"expected average 'softmax' or 'logits', got {average!r}")
+    if amp not in ("none", "bf16"):
+        raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
+    device = torch.device(device)
     model.eval()
     correct = {k: 0 for k in topk}
     seen = 0
-    for batch in loader:
-        if batch is None:
-            continue
-        views, labels = batch
-        B, V = views.shape[:2]
-        out = model(views.flatten(0, 1).to(device)).float()  # (B * V, K)
-        if average == "softmax":
-            out = out.softmax(dim=-1)
-        scores = out.view(B, V, -1).mean(dim=1).cpu()  # (B, K)
-        k_max = min(max(topk), scores.shape[-1])
-        top = scores.topk(k_max, dim=-1).indices  # (B, k)
-        hits = top == labels.view(-1, 1)
-        for k in topk:
-            correct[k] += int(hits[:, :k].any(dim=1).sum())
-        seen += B
+    total = len(loader.dataset) if hasattr(loader, "dataset") else None
+    total = limit if total is None else min(total, limit or total)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if amp == "bf16"
+                else contextlib.nullcontext())
+    with autocast, tqdm(total=total, disable=not progress, unit="video", desc="eval",
+                        dynamic_ncols=True) as bar:
+        for batch in loader:
+            if batch is None:
+                continue
+            if limit is not None and seen >= limit:
+                break
+            views, labels = batch
+            if limit is not None:
+                views, labels = views[: limit - seen], labels[: limit - seen]
+            B, V = views.shape[:2]
+            out = model(views.flatten(0, 1).to(device)).float()  # (B * V, K)
+            if average == "softmax":
+                out = out.softmax(dim=-1)
+            scores = out.view(B, V, -1).mean(dim=1).cpu()  # (B, K)
+            top = scores.topk(min(max(topk), scores.shape[-1]), dim=-1).indices  # (B, k)
+            hits = top == labels.view(-1, 1)
+            for k in topk:
+                correct[k] += int(hits[:, :k].any(dim=1).sum())
+            seen += B
+            bar.update(B)
+            bar.set_postfix(top1=f"{100 * correct[topk[0]] / seen:.2f}")
     result = {f"top{k}": 100.0 * correct[k] / max(seen, 1) for k in topk}
     result["videos"] = float(seen)
+    return result
+
+
+def is_video_model(model: nn.Module) -> bool:
+    """Whether ``model`` takes clips: its ``pretrained_cfg["input_size"]`` is ``(C, T, H, W)``."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return len(cfg.get("input_size") or ()) == 4
+
+
+def video_dataset(model: nn.Module, source: str, mode: str, **kwargs: Any) -> VideoFolder:
+    """A :class:`VideoFolder` shaped for ``model``: its frames, frame stride, crop size, mean
+    and std (from its ``pretrained_cfg``)."""
+    cfg = model.pretrained_cfg
+    _, T, H, _ = cfg["input_size"]
+    options = dict(num_frames=T, frame_stride=cfg.get("frame_stride", 4), crop_size=H,
+                   mean=cfg["mean"], std=cfg["std"])
+    options.update(kwargs)
+    return VideoFolder(source, mode, **options)
+
+
+def evaluate_video(
+    model: nn.Module,
+    source: str,
+    *,
+    batch_size: int = 4,
+    workers: int = 2,
+    num_clips: int = 5,
+    average: str = "softmax",
+    amp: str = "none",
+    device: Any = None,
+    progress: bool = True,
+    limit: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Top-1/top-5 of a video model on a video folder or CSV (``pareprop eval`` on videos):
+    ``num_clips`` evenly spaced clips x 1 centre crop per video, scores averaged.
+
+    Returns:
+        ``{"top1", "top5", "videos", "views", "classes", "skipped", "amp", "seconds"}``.
+    """
+    dataset = video_dataset(model, source, "eval", num_clips=num_clips)
+    num_classes = getattr(model, "num_classes", None)
+    if num_classes is not None and num_classes != dataset.num_classes:
+        raise ValueError(
+            f"{source!r} has {dataset.num_classes} classes but the model predicts {num_classes}; "
+            "evaluate on data with one class per output of the model"
+        )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                                         num_workers=workers, collate_fn=collate_videos)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    start = time.perf_counter()
+    result: Dict[str, Any] = dict(evaluate_clips(
+        model.to(device), loader, device, average=average, amp=amp, limit=limit,
+        progress=progress,
+    ))
+    if result["videos"] == 0:
+        raise ValueError(f"{source!r} holds no decodable videos")
+    result.update(videos=int(result["videos"]), views=f"{num_clips} clips x 1 crop",
+                  classes=dataset.num_classes, skipped=len(dataset) - int(result["videos"])
+                  if limit is None else None, average=average, amp=amp,
+                  seconds=time.perf_counter() - start)
     return result
