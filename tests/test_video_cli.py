@@ -59,3 +59,43 @@ def test_eval_cli_says_when_classes_differ(tmp_path, capsys):
               "--data-dir", str(root), "--device", "cpu", "--workers", "0", "--no-progress",
               *ARGS])
     assert rc == 2 and "has 1 classes but the model predicts 5" in capsys.readouterr().err
+
+
+def _video_splits(root, classes=2):
+    for split in ("train", "val"):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for j in range(2 if split == "train" else 1):
+                write_video(folder / f"v{j}.mp4", frames=10, height=36, width=40,
+                            base=100 * c + 5 * j)
+    return root
+
+
+def test_train_cli_on_a_video_folder(tmp_path, capsys):
+    from pareprop.cli.train import main as train
+
+    root = _video_splits(tmp_path / "videos")
+    (root / "train" / "class1" / "broken.mp4").write_bytes(b"truncated")
+    small = [a for a in ARGS if "num_classes" not in a]
+    argv = ["--model", "rev_mvit_base_16x4", "--dataset", str(root), "--epochs", "1",
+            "--batch-size", "2", "--device", "cpu", "--workers", "0", "--no-progress",
+            "--out", str(tmp_path / "run"), *small]
+    with pytest.warns(UserWarning, match="broken.mp4"):
+        rc = train(argv)
+    assert rc == 0, capsys.readouterr().err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[0]["epoch"] == 1 and 0.0 <= metrics[0]["val_acc"] <= 1.0
+    model = pareprop.load_model(str(tmp_path / "run" / "last"))
+    assert model.num_classes == 2 and model.cfg.num_frames == 4
+
+
+def test_train_cli_says_which_split_is_missing(tmp_path, capsys):
+    from pareprop.cli.train import main as train
+
+    (tmp_path / "videos" / "train" / "a").mkdir(parents=True)
+    write_video(tmp_path / "videos" / "train" / "a" / "v.mp4", frames=8)
+    small = [a for a in ARGS if "num_classes" not in a]
+    rc = train(["--model", "rev_mvit_base_16x4", "--dataset", str(tmp_path / "videos"),
+                "--device", "cpu", "--out", str(tmp_path / "run"), *small])
+    assert rc == 2 and "no val split" in capsys.readouterr().err

@@ -155,6 +155,13 @@ def test_undecodable_files_are_skipped_with_a_warning_naming_them(folder, tmp_pa
     clips, labels = batch
     assert clips.shape == (1, 3, 4, 32, 32)  # the good one only, no crash
     assert collate_videos([None, None]) is None
+    # Substituting: the next decodable video takes the undecodable one's place.
+    sub = VideoFolder(str(root), "train", on_error="substitute", **SMALL)
+    with pytest.warns(UndecodableVideoWarning, match="broken.mp4"):
+        clip, label = sub[[p for p, _ in sub.samples].index(str(broken))]
+    assert clip.shape == (3, 4, 32, 32)
+    with pytest.warns(UndecodableVideoWarning):
+        assert len(list(sub)) == 3  # iteration ends
     with pytest.warns(UndecodableVideoWarning) as caught:
         bad = ds.probe(progress=False)
     assert len(caught) == 2

@@ -25,9 +25,12 @@ are training-recipe choices left to the caller here.
 
 NOTE [ Undecodable files ]
 A file that cannot be decoded (truncated downloads are common in Kinetics mirrors) is skipped
-with a warning naming it, never a crash in the middle of an epoch: ``__getitem__`` returns
-``None`` for it, and :func:`collate_videos` drops the ``None`` samples from the batch (a batch
-of none left is ``None``, which :func:`evaluate_clips` and the trainer skip).
+with a warning naming it, never a crash in the middle of an epoch. With ``on_error="drop"``
+(evaluation) ``__getitem__`` returns ``None`` for it, and :func:`collate_videos` drops the
+``None`` samples from the batch (a batch of none left is ``None``, which :func:`evaluate_clips`
+skips): every video counted was seen once. With ``on_error="substitute"`` (training, and the
+trainer's validation) it returns the next decodable video instead, as PySlowFast's loader
+retries another one: batches keep their size and need no special collation.
 :meth:`VideoFolder.probe` finds such files up front, with a progress bar.
 """
 
@@ -58,6 +61,7 @@ __all__ = [
     "evaluate_video",
     "is_video_model",
     "video_dataset",
+    "video_splits",
     "require_av",
 ]
 
@@ -161,9 +165,11 @@ class VideoFolder(Dataset):
     CSV's folder, labels class names or integers, an optional ``path,label`` header).
 
     ``mode="train"`` gives one clip ``(C, T, H, W)`` per video, randomly placed, scaled, cropped
-    and flipped; ``mode="eval"`` gives ``num_clips`` views ``(V, C, T, H, W)``. Both return
-    ``(clip, label)``, or ``None`` for a file that cannot be decoded (NOTE [ Undecodable
-    files ]): use :func:`collate_videos` as the loader's ``collate_fn``.
+    and flipped; ``mode="eval"`` gives ``num_clips`` views ``(V, C, T, H, W)``; ``mode="val"``
+    one view ``(C, T, H, W)``, the centre crop of the middle span (a quick validation in
+    training). Each returns ``(clip, label)``; for a file that cannot be decoded, ``None`` or
+    another video (``on_error``, NOTE [ Undecodable files ]): with ``"drop"`` use
+    :func:`collate_videos` as the loader's ``collate_fn``.
 
     Args:
         source: a folder of class folders, or a CSV file.
@@ -177,6 +183,8 @@ class VideoFolder(Dataset):
         std: per-channel std.
         classes: class names in label order (default: sorted folder names, or the CSV's sorted
             names; integer CSV labels are used as they are).
+        on_error: ``"drop"`` (return ``None``) or ``"substitute"`` (the next decodable video)
+            for a file that cannot be decoded; either way a warning names it.
     """
 
     def __init__(
@@ -191,9 +199,13 @@ class VideoFolder(Dataset):
         mean: Sequence[float] = (0.45, 0.45, 0.45),
         std: Sequence[float] = (0.225, 0.225, 0.225),
         classes: Optional[Sequence[str]] = None,
+        on_error: str = "drop",
     ):
-        if mode not in ("train", "eval"):
-            raise ValueError(f"expected mode 'train' or 'eval', got {mode!r}")
+        if mode not in ("train", "val", "eval"):
+            raise ValueError(f"expected mode 'train', 'val' or 'eval', got {mode!r}")
+        if on_error not in ("drop", "substitute"):
+            raise ValueError(f"expected on_error 'drop' or 'substitute', got {on_error!r}")
+        self.on_error = on_error
         if num_frames < 1 or frame_stride < 1 or num_clips < 1:
             raise ValueError(
                 f"expected num_frames, frame_stride and num_clips >= 1, got {num_frames}, "
@@ -238,16 +250,25 @@ class VideoFolder(Dataset):
                       stacklevel=3)
 
     def __getitem__(self, index: int) -> Optional[Tuple[torch.Tensor, int]]:
-        path, label = self.samples[index]
-        try:
-            frames, fps = decode_video(path)
-        except ValueError as e:
-            self._skip(path, e)
-            return None
-        if self.mode == "train":
-            return self._train_clip(frames, fps), label
-        views = [self._eval_clip(frames, fps, i) for i in range(self.num_clips)]
-        return torch.stack(views), label  # (V, C, T, H, W)
+        if not -len(self.samples) <= index < len(self.samples):
+            raise IndexError(f"video {index} of {len(self.samples)}")  # ends iteration
+        for attempt in range(len(self.samples)):
+            path, label = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                frames, fps = decode_video(path)
+            except ValueError as e:
+                self._skip(path, e)
+                if self.on_error == "drop":
+                    return None
+                continue
+            if self.mode == "train":
+                return self._train_clip(frames, fps), label
+            if self.mode == "val":
+                return self._eval_clip(frames, fps, 1, 2), label  # the middle span
+            views = [self._eval_clip(frames, fps, i, self.num_clips)
+                     for i in range(self.num_clips)]
+            return torch.stack(views), label  # (V, C, T, H, W)
+        raise ValueError(f"no video in {self.source!r} can be decoded")
 
     def _normalise(self, frames: torch.Tensor) -> torch.Tensor:
         """``(T, H, W, 3)`` uint8 -> ``(T, 3, H, W)`` float in [0, 1]."""
@@ -268,9 +289,8 @@ class VideoFolder(Dataset):
             x = x.flip(-1)
         return self._finish(x)
 
-    def _eval_clip(self, frames: torch.Tensor, fps: float, i: int) -> torch.Tensor:
-        index = clip_indices(len(frames), fps, self.num_frames, self.frame_stride,
-                             clip=(i, self.num_clips))
+    def _eval_clip(self, frames: torch.Tensor, fps: float, i: int, n: int) -> torch.Tensor:
+        index = clip_indices(len(frames), fps, self.num_frames, self.frame_stride, clip=(i, n))
         x = _scale_short_side(self._normalise(frames[index]), self.crop_size)
         H, W = x.shape[-2:]
         x = _crop(x, self.crop_size, (H - self.crop_size) // 2, (W - self.crop_size) // 2)
@@ -342,6 +362,30 @@ def _read_csv(
                              "classes")
         samples.append((file if os.path.isabs(file) else os.path.join(base, file), label))
     return samples, classes
+
+
+def video_splits(
+    path: str, num_frames: int = 16, crop_size: int = 224, augment: bool = True
+) -> Tuple[VideoFolder, VideoFolder]:
+    """Training and validation sets of ``path`` for the trainer: ``path/train`` and
+    ``path/val`` (class folders, or ``.csv`` files of ``path,label`` rows). Training clips as
+    published (the scale range 256-320 follows the crop: 8/7 to 10/7 of it); validation one
+    centre view per video. Undecodable files are substituted (NOTE [ Undecodable files ])."""
+    def split(name: str) -> str:
+        for candidate in (os.path.join(path, name), os.path.join(path, name + ".csv")):
+            if os.path.exists(candidate):
+                return candidate
+        raise FileNotFoundError(
+            f"no {name} split in {path!r}: expected {name}/ (class folders of videos) or "
+            f"{name}.csv (path,label rows)"
+        )
+
+    scale = (round(crop_size * 256 / 224), round(crop_size * 320 / 224))
+    common = dict(num_frames=num_frames, crop_size=crop_size, train_scale=scale,
+                  on_error="substitute")
+    train = VideoFolder(split("train"), "train" if augment else "val", **common)
+    val = VideoFolder(split("val"), "val", classes=train.classes, **common)
+    return train, val
 
 
 def collate_videos(batch: List[Any]) -> Any:
