@@ -99,3 +99,12 @@ def test_train_cli_says_which_split_is_missing(tmp_path, capsys):
     rc = train(["--model", "rev_mvit_base_16x4", "--dataset", str(tmp_path / "videos"),
                 "--device", "cpu", "--out", str(tmp_path / "run"), *small])
     assert rc == 2 and "no val split" in capsys.readouterr().err
+
+
+def test_bench_takes_num_frames():
+    from pareprop.cli.bench import _config, build_parser
+
+    args = build_parser().parse_args(["--models", "rev_mvit_base_16x4", "mvit_v1_b",
+                                      "--num-frames", "8", "--img-size", "64"])
+    config = _config(args)
+    assert config.model_overrides == {"num_frames": 8} and config.img_size == 64
