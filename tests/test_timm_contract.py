@@ -28,6 +28,9 @@ def _tiny_overrides(name: str) -> dict:
         return dict(embed_dim=16, depth=2, num_heads=2, img_size=32, patch_size=8, num_classes=3)
     if name == "rev_mvit_base":
         return dict(embed_dim=8, depth=4, transition_blocks=(2,), img_size=32, num_classes=3)
+    if name == "rev_mvit_base_16x4":
+        return dict(embed_dim=8, depth=4, transition_blocks=(2,), num_frames=4, img_size=32,
+                    kv_stride=(1, 4, 4), num_classes=3)
     if name.startswith("rev_mvitv2"):
         patch4 = pareprop.create_model(name, device="meta").cfg.patch_stride == 4
         return dict(embed_dim=8, img_size=32 if patch4 else 16, num_classes=3)
@@ -93,7 +96,8 @@ def test_pretrained_cfg_names_real_modules(name):
     modules = dict(model.named_modules())
     assert cfg["first_conv"] in modules and cfg["classifier"] in modules
     first = modules[cfg["first_conv"]]
-    assert isinstance(first, torch.nn.Conv2d) and first.in_channels == model.in_chans
+    assert isinstance(first, (torch.nn.Conv2d, torch.nn.Conv3d))  # Conv3d: video models
+    assert first.in_channels == model.in_chans
     assert cfg["input_size"][0] == model.in_chans == model.cfg.in_chans
     assert len(cfg["mean"]) == len(cfg["std"]) == model.in_chans
     assert cfg["num_classes"] == model.num_classes == model.get_classifier().out_features

@@ -1,7 +1,9 @@
 """The model catalog: one road from a model's name to a model to run, measure or plan.
 
-A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_models`) or timm's
-(``vit_base_patch16_224``). The catalog builds it with overrides in an *engine mode*: one of
+A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_models`), timm's
+(``vit_base_patch16_224``) or one of torchvision's video MViTs (``mvit_v1_b``, ``mvit_v2_s``:
+:mod:`pareprop.models.torchvision_video`, the baselines of the video models). The catalog
+builds it with overrides in an *engine mode*: one of
 pareprop's engines (``autograd``, ``reversible``, ``pareprop``) for a model with a
 :class:`~pareprop.engine.ReversibleStack`, or a baseline mode for any other model (``plain``:
 autograd; ``checkpointed``: timm's ``set_grad_checkpointing()``). A reversible model also runs
@@ -29,6 +31,7 @@ import torch.nn as nn
 
 from pareprop.engine import ENGINES, ReversibleStack, set_block_checkpointing
 from pareprop.models import create_model, is_model, unknown_model_message
+from pareprop.models.torchvision_video import TORCHVISION_VIDEO_MODELS, create_torchvision_video
 
 __all__ = [
     "BASELINE_ENGINES",
@@ -57,13 +60,15 @@ REVERSIBLE_MODEL_ENGINES = tuple(ENGINES) + ("checkpointed",)
 
 
 def model_source(name: str) -> str:
-    """``"pareprop"`` or ``"timm"``: the registry that knows ``name``.
+    """``"pareprop"``, ``"torchvision"`` (its video MViTs) or ``"timm"``: who knows ``name``.
 
     Raises:
-        ValueError: neither knows it; the message names pareprop's close matches.
+        ValueError: none knows it; the message names pareprop's close matches.
     """
     if is_model(name):
         return "pareprop"
+    if name in TORCHVISION_VIDEO_MODELS:
+        return "torchvision"
     if timm.is_model(name):
         return "timm"
     raise ValueError(unknown_model_message(name) + "; timm model names are accepted too")
@@ -91,7 +96,8 @@ def model_facts(name: str) -> ModelFacts:
     if name in _FACTS:
         return _FACTS[name]
     source = model_source(name)
-    build = _default_pareprop if source == "pareprop" else _default_timm
+    build = {"pareprop": _default_pareprop, "torchvision": create_torchvision_video}.get(
+        source, _default_timm)
     try:
         with _meta_device():
             model = build(name)
@@ -182,6 +188,8 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
     facts = facts if facts is not None else model_facts(request.model)
     if facts.source == "pareprop":
         model = create_model(request.model, **_pareprop_kwargs(request, facts))
+    elif facts.source == "torchvision":
+        model = create_torchvision_video(request.model, **_torchvision_kwargs(request))
     else:
         kwargs = _with_num_classes(request)
         for key in ("img_size", "depth"):
@@ -222,6 +230,20 @@ def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]
         kwargs["img_size"] = request.img_size
     if facts.cfg is not None:
         kwargs.update(depth_overrides(facts.cfg, request.depth))
+    return kwargs
+
+
+def _torchvision_kwargs(request: ModelRequest) -> Dict[str, Any]:
+    kwargs = _with_num_classes(request)
+    if request.depth is not None:
+        raise ValueError(f"depth override unsupported: torchvision's {request.model!r} takes "
+                         "no depth argument; omit --depths for it")
+    if request.img_size is not None:
+        kwargs["img_size"] = request.img_size
+    unknown = set(kwargs) - {"num_classes", "num_frames", "img_size"}
+    if unknown:
+        raise ValueError(f"torchvision's {request.model!r} takes num_classes, num_frames and "
+                         f"img_size, got {', '.join(sorted(unknown))}")
     return kwargs
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler
 
+from pareprop.video import video_splits
+
 __all__ = [
     "Datasets",
     "DatasetNotFoundError",
@@ -286,7 +288,16 @@ def build_datasets(
     augment: bool = True,
 ) -> Datasets:
     """Data set by name (``digits``, ``cifar10``, ``cifar100``) or an image folder path, shaped
-    for a model whose ``pretrained_cfg["input_size"]`` is ``input_size`` = ``(C, H, W)``."""
+    for a model whose ``pretrained_cfg["input_size"]`` is ``input_size`` = ``(C, H, W)``; for a
+    video model (``(C, T, H, W)``) a video folder with ``train`` and ``val`` splits
+    (:func:`pareprop.video.video_splits`)."""
+    if len(input_size) == 4:
+        try:
+            train, val = video_splits(name, int(input_size[1]), int(input_size[2]), augment)
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(str(e)) from None
+        return Datasets(train=train, val=val, num_classes=train.num_classes,
+                        name=os.path.basename(os.path.normpath(name)))
     if len(input_size) != 3 or input_size[1] != input_size[2]:
         raise ValueError(f"expected a square input size (C, H, W), got {tuple(input_size)}")
     in_chans, img_size = int(input_size[0]), int(input_size[1])

@@ -1,5 +1,6 @@
 """Top-1/top-5 accuracy of a classifier on an image folder, with the model's own evaluation
-transform.
+transform (video models: a video folder or CSV, 5 clips x 1 crop averaged; see
+:func:`pareprop.video.evaluate_video`).
 
 The folder has ImageNet's validation layout: one sub-folder per class, whose sorted names give
 the class indices (``torchvision.datasets.ImageFolder``); for ImageNet-1k that is the order
@@ -23,6 +24,7 @@ from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 
 from pareprop.engine import ReversibleStack, set_engine
+from pareprop.video import evaluate_video, is_video_model
 
 __all__ = ["evaluate", "eval_loader"]
 
@@ -72,6 +74,10 @@ def evaluate(
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     if engine is not None:
         set_engine(model, engine)
+    if is_video_model(model):  # clips: 5 views per video, averaged (pareprop.video)
+        result = evaluate_video(model, data_dir, batch_size=batch_size, workers=workers,
+                                amp=amp, device=device, progress=progress, limit=limit)
+        return {**result, "engine": _engine_of(model)}
     loader = eval_loader(model, data_dir, batch_size, workers)
     classes = len(loader.dataset.classes)
     num_classes = getattr(model, "num_classes", None)

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", nargs="+", type=_positive_int, metavar="N",
                    help="total number of blocks (staged models change their deepest stage)")
     p.add_argument("--img-size", type=_positive_int, metavar="PX", help="input side for images")
+    p.add_argument("--num-frames", type=_positive_int, metavar="T",
+                   help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
     p.add_argument("--seq-len", nargs="+", type=_positive_int, metavar="T",
                    help="sequence lengths for text models")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
@@ -153,6 +155,8 @@ def _config(args: argparse.Namespace):
         config.depths = args.depths
     if args.img_size is not None:
         config.img_size = args.img_size
+    if args.num_frames is not None:
+        config.model_overrides = {**config.model_overrides, "num_frames": args.num_frames}
     if args.seq_len is not None:
         config.seq_lens = args.seq_len
     if args.time_budget is not None:

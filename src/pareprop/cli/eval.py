@@ -7,6 +7,7 @@ Examples::
     pareprop eval --model rev_mvit_base --checkpoint REV_MVIT_B.pyth --data-dir imagenet/val \\
         --engine pareprop --amp bf16 --json result.json
     pareprop eval --checkpoint runs/finetune/best --data-dir flowers/val
+    pareprop eval --model rev_mvit_base_16x4 --pretrained --data-dir kinetics400/val --amp bf16
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pareprop.checkpoint import META, CheckpointError
 from pareprop.cli.train import _parse_model_args
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
+from pareprop.video import is_video_model
 
 __all__ = ["main", "build_parser"]
 
@@ -42,12 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a PySlowFast or mmpretrain weight file, a .safetensors file, or a "
                      "pareprop checkpoint directory")
     p.add_argument("--data-dir", required=True, metavar="DIR",
-                   help="one sub-folder of images per class")
+                   help="one sub-folder of images per class; for a video model, one sub-folder "
+                   "of videos per class or a CSV of path,label rows (top-1/top-5 over 5 clips x "
+                   "1 crop per video, averaged)")
     p.add_argument("--model-arg", dest="model_args", action="append", default=[],
                    metavar="KEY=VALUE", help="override a model config field (repeatable)")
     p.add_argument("--engine", choices=ENGINES, help="switch the reversible stacks first")
     p.add_argument("--amp", choices=("none", "bf16"), default="none")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="images (or videos, of 5 clips each) per forward; default 64 images "
+                   "or 4 videos")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
@@ -87,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = evaluate(
             model,
             args.data_dir,
-            batch_size=args.batch_size,
+            batch_size=args.batch_size or (4 if is_video_model(model) else 64),
             workers=args.workers,
             engine=args.engine,
             amp=args.amp,

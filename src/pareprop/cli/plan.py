@@ -12,6 +12,8 @@ Examples::
         --memory-budgets 0 0.5 1 --amp bf16 --memory 80GiB
     pareprop plan --models rev_vit_base_patch16_224 vit_base_patch16_224 \\
         --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes auto
+    pareprop plan --models rev_mvit_base_16x4 mvit_v1_b --engines reversible plain \\
+        checkpointed --amp bf16 --memory 80GiB --grad-checkpointing
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         "largest batch that fits.",
     )
     p.add_argument("--models", nargs="+", required=True, metavar="NAME",
-                   help="pareprop registry names and timm names (baselines)")
+                   help="pareprop registry names, timm names and torchvision's video MViTs "
+                   "mvit_v1_b, mvit_v2_s (baselines)")
     p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
                    "that apply)")
     p.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=[], metavar="N")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--img-size", type=_positive_int, metavar="PX")
+    p.add_argument("--num-frames", type=_positive_int, metavar="T",
+                   help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
     p.add_argument("--depth", type=_positive_int, metavar="N", help="total number of blocks")
     p.add_argument("--memory", metavar="SIZE",
                    help="memory to fit in: 80GiB, 80GB or 8e10 (bytes); adds the largest batch")
@@ -86,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "has none: add reversible or pareprop, or drop --memory-budgets"
             )
         extra = {} if args.depth is None else {"depth": args.depth}
+        if args.num_frames is not None:
+            extra["num_frames"] = args.num_frames
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
                           device=args.device, memory_budgets=args.memory_budgets,

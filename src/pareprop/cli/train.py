@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "engine (pareprop.compile_blocks; off)",
     )
     p.add_argument(
-        "--dataset", help="digits, cifar10, cifar100, or a path to an image folder (default digits)"
+        "--dataset", help="digits, cifar10, cifar100, a path to an image folder, or for a video "
+        "model a folder with train/ and val/ splits of videos (default digits)"
     )
     p.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
     p.add_argument("--download", action=argparse.BooleanOptionalAction, help="fetch CIFAR")

@@ -5,11 +5,15 @@ Queries, keys and values come from three separate linear maps; keys and values a
 pooled (a depthwise convolution per head dimension, shared by the heads, then LayerNorm over
 the head dimension), queries only where the map is downsampled. No relative positions, no
 residual pooling, no windows: those are MViTv2's (see :mod:`pareprop.layers.pooling_attention`).
+
+One layer serves images and videos: the map is ``(H, W)`` or ``(T, H, W)``, and the pooling
+convolutions are 2-D or 3-D to match (the kernel's length decides).
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -18,41 +22,66 @@ from pareprop.layers.attention import attend
 
 __all__ = ["MultiScaleAttention", "pool_heads"]
 
+Size = Union[int, Sequence[int]]
+
 
 def pool_heads(
-    x: torch.Tensor, hw: Tuple[int, int], pool: nn.Conv2d, norm: nn.Module
-) -> Tuple[torch.Tensor, Tuple[int, int]]:
-    """Pool per-head tokens ``(B, heads, H*W, head_dim)`` over their ``hw`` map with ``pool``
-    (a depthwise convolution over the head dimension), then ``norm`` the head dimension.
+    x: torch.Tensor, hw: Tuple[int, ...], pool: nn.Module, norm: nn.Module
+) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """Pool per-head tokens ``(B, heads, N, head_dim)`` over their map ``hw`` (``(H, W)`` or
+    ``(T, H, W)``, N its product) with ``pool`` (a depthwise convolution over the head
+    dimension, 2-D or 3-D to match), then ``norm`` the head dimension.
 
     Returns:
-        The pooled tokens ``(B, heads, H'*W', head_dim)`` and ``(H', W')``.
+        The pooled tokens ``(B, heads, N', head_dim)`` and the pooled map.
     """
     B, nh, N, hd = x.shape
-    x = x.reshape(B * nh, hw[0], hw[1], hd).permute(0, 3, 1, 2)  # (B * heads, hd, H, W)
+    x = x.reshape(B * nh, *hw, hd).movedim(-1, 1)  # (B * heads, hd, *map)
     x = pool(x)
-    H, W = x.shape[-2:]
-    x = x.reshape(B, nh, hd, H * W).transpose(2, 3)  # (B, heads, H'*W', hd)
-    return norm(x), (H, W)
+    # Unpacked to a fixed length (not tuple(x.shape[2:])), so that torch.fx can trace it.
+    if len(hw) == 3:
+        T, H, W = x.shape[-3:]
+        grid: Tuple[int, ...] = (T, H, W)
+    else:
+        H, W = x.shape[-2:]
+        grid = (H, W)
+    x = x.reshape(B, nh, hd, math.prod(grid)).transpose(2, 3)  # (B, heads, N', hd)
+    return norm(x), grid
 
 
-def _depthwise(head_dim: int, kernel: int, stride: int) -> nn.Conv2d:
-    return nn.Conv2d(
-        head_dim, head_dim, kernel, stride, kernel // 2, groups=head_dim, bias=False
-    )
+def _tuple(value: Size, dims: int, name: str) -> Tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * dims
+    value = tuple(value)
+    if len(value) != dims:
+        raise ValueError(f"expected {name} as an int or {dims} ints, got {value!r}")
+    return value
+
+
+def _depthwise(head_dim: int, kernel: Tuple[int, ...], stride: Size) -> nn.Module:
+    """Depthwise pooling convolution, 2-D or 3-D as ``kernel`` has 2 or 3 entries."""
+    conv = nn.Conv3d if len(kernel) == 3 else nn.Conv2d
+    stride = _tuple(stride, len(kernel), "stride")
+    padding = tuple(k // 2 for k in kernel)
+    return conv(head_dim, head_dim, kernel, stride, padding, groups=head_dim, bias=False)
 
 
 class MultiScaleAttention(nn.Module):
-    """Multi-head pooling attention on tokens, ``(B, H*W, dim) -> (B, H'*W', dim)`` with
-    ``H' = ceil(H / stride_q)``.
+    """Multi-head pooling attention on tokens, ``(B, N, dim) -> (B, N', dim_out)`` over a map
+    ``(H, W)`` or ``(T, H, W)`` (N its product), each side pooled to ``ceil(side / stride_q)``.
 
     Args:
-        dim: token width (in and out).
-        num_heads: heads; must divide ``dim``.
+        dim: input token width.
+        num_heads: heads; must divide ``dim_out``.
         qkv_bias: bias in the query, key and value maps.
-        pool_kernel: odd kernel of the pooling convolutions.
-        stride_q: query pooling stride; 1 means no query pooling (and no ``pool_q``).
+        pool_kernel: odd kernel of the pooling convolutions: an int (2-D maps) or one per map
+            axis (3 entries: 3-D maps, as in video models).
+        stride_q: query pooling stride, an int or one per axis; 1 everywhere means no query
+            pooling (and no ``pool_q``).
         stride_kv: key/value pooling stride (keys and values are pooled even at stride 1).
+        dim_out: output width, also that of q, k and v (default ``dim``).
+        separate_qkv: three linear maps ``q``, ``k``, ``v`` (the image Rev-MViT-B); else one
+            map ``qkv`` to all three (PySlowFast's default, the video Rev-MViT-B).
     """
 
     def __init__(
@@ -60,49 +89,67 @@ class MultiScaleAttention(nn.Module):
         dim: int,
         num_heads: int,
         qkv_bias: bool = True,
-        pool_kernel: int = 3,
-        stride_q: int = 1,
-        stride_kv: int = 1,
+        pool_kernel: Size = 3,
+        stride_q: Size = 1,
+        stride_kv: Size = 1,
+        dim_out: int | None = None,
+        separate_qkv: bool = True,
     ):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"expected dim divisible by num_heads, got {dim} and {num_heads}")
-        if pool_kernel % 2 != 1:
-            raise ValueError(f"expected an odd pool_kernel, got {pool_kernel}")
+        dim_out = dim if dim_out is None else dim_out
+        if dim_out % num_heads:
+            raise ValueError(
+                f"expected dim_out divisible by num_heads, got {dim_out} and {num_heads}"
+            )
+        kernel = (pool_kernel,) * 2 if isinstance(pool_kernel, int) else tuple(pool_kernel)
+        if len(kernel) not in (2, 3) or any(k % 2 != 1 for k in kernel):
+            raise ValueError(f"expected an odd pool_kernel (2 or 3 sides), got {pool_kernel}")
         self.num_heads = num_heads
-        self.head_dim = head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.k = nn.Linear(dim, dim, bias=qkv_bias)
-        self.v = nn.Linear(dim, dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-        self.pool_q: nn.Conv2d | None = None
+        self.dim_out = dim_out
+        self.head_dim = head_dim = dim_out // num_heads
+        self.q: nn.Linear | None = None
+        self.k: nn.Linear | None = None
+        self.v: nn.Linear | None = None
+        self.qkv: nn.Linear | None = None
+        if separate_qkv:
+            self.q = nn.Linear(dim, dim_out, bias=qkv_bias)
+            self.k = nn.Linear(dim, dim_out, bias=qkv_bias)
+            self.v = nn.Linear(dim, dim_out, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim_out, bias=qkv_bias)
+        self.proj = nn.Linear(dim_out, dim_out)
+        self.pool_q: nn.Module | None = None
         self.norm_q: nn.LayerNorm | None = None
-        if stride_q > 1:
-            self.pool_q = _depthwise(head_dim, pool_kernel, stride_q)
+        if math.prod(_tuple(stride_q, len(kernel), "stride_q")) > 1:
+            self.pool_q = _depthwise(head_dim, kernel, stride_q)
             self.norm_q = nn.LayerNorm(head_dim, eps=1e-6)
-        self.pool_k = _depthwise(head_dim, pool_kernel, stride_kv)
+        self.pool_k = _depthwise(head_dim, kernel, stride_kv)
         self.norm_k = nn.LayerNorm(head_dim, eps=1e-6)
-        self.pool_v = _depthwise(head_dim, pool_kernel, stride_kv)
+        self.pool_v = _depthwise(head_dim, kernel, stride_kv)
         self.norm_v = nn.LayerNorm(head_dim, eps=1e-6)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, N, dim) -> (B, heads, N, head_dim)``."""
+        """``(B, N, dim_out) -> (B, heads, N, head_dim)``."""
         B, N, _ = x.shape
         return x.reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
-        self, x: torch.Tensor, hw: Tuple[int, int]
-    ) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """Returns the output tokens and their map ``(H', W')``."""
+        self, x: torch.Tensor, hw: Tuple[int, ...]
+    ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+        """Returns the output tokens and their map (``(H', W')`` or ``(T', H', W')``)."""
         B = x.shape[0]
-        q = self.split_heads(self.q(x))  # (B, heads, N, hd)
-        k = self.split_heads(self.k(x))
-        v = self.split_heads(self.v(x))
-        q_hw = hw
+        if self.qkv is not None:
+            qkv = self.qkv(x).reshape(B, x.shape[1], 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, N, hd)
+        else:
+            q = self.split_heads(self.q(x))  # (B, heads, N, hd)
+            k = self.split_heads(self.k(x))
+            v = self.split_heads(self.v(x))
+        q_hw = tuple(hw)
         if self.pool_q is not None:
             q, q_hw = pool_heads(q, hw, self.pool_q, self.norm_q)  # (B, heads, Nq, hd)
         k, _ = pool_heads(k, hw, self.pool_k, self.norm_k)  # (B, heads, Nk, hd)
         v, _ = pool_heads(v, hw, self.pool_v, self.norm_v)
         out = attend(q, k, v)  # (B, heads, Nq, hd)
-        out = out.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim)  # (B, Nq, dim)
+        out = out.transpose(1, 2).reshape(B, -1, self.dim_out)  # (B, Nq, dim_out)
         return self.proj(out), q_hw

@@ -74,7 +74,9 @@ class PatchEmbed(nn.Module):
     """Image to tokens by one convolution.
 
     ViT uses non-overlapping patches (kernel = stride = patch); MViTv2 an overlapping
-    convolution (kernel 7, stride 4, padding 3).
+    convolution (kernel 7, stride 4, padding 3). A kernel of three sides makes it a video
+    embedding (Conv3d over ``(B, C, T, H, W)``; the video Rev-MViT-B: kernel 3x7x7, stride
+    2x4x4, padding 1x3x3), with ``stride`` and ``padding`` then given per side too.
 
     Args:
         in_chans: image channels.
@@ -95,21 +97,39 @@ class PatchEmbed(nn.Module):
         flatten: bool = True,
     ):
         super().__init__()
-        self.kernel_size = to_2tuple_int(kernel_size, "kernel_size")
-        self.stride = to_2tuple_int(stride, "stride")
-        self.padding = to_2tuple_int(padding, "padding")
+        if not isinstance(kernel_size, int) and len(tuple(kernel_size)) == 3:
+            self.kernel_size, self.stride, self.padding = (
+                _to_3tuple_int(v, name)
+                for v, name in ((kernel_size, "kernel_size"), (stride, "stride"),
+                                (padding, "padding"))
+            )
+            conv: type = nn.Conv3d
+        else:
+            self.kernel_size = to_2tuple_int(kernel_size, "kernel_size")
+            self.stride = to_2tuple_int(stride, "stride")
+            self.padding = to_2tuple_int(padding, "padding")
+            conv = nn.Conv2d
         self.flatten = flatten
-        self.proj = nn.Conv2d(in_chans, embed_dim, self.kernel_size, self.stride, self.padding)
+        self.proj = conv(in_chans, embed_dim, self.kernel_size, self.stride, self.padding)
 
-    def output_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
-        """Token grid ``(H', W')`` for an ``img_size`` input."""
+    def output_size(self, img_size: Tuple[int, ...]) -> Tuple[int, ...]:
+        """Token grid ``(H', W')`` (video: ``(T', H', W')``) for an ``img_size`` input."""
         return tuple(  # type: ignore[return-value]
             (s + 2 * p - k) // st + 1
             for s, p, k, st in zip(img_size, self.padding, self.kernel_size, self.stride)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x).permute(0, 2, 3, 1)  # (B, H', W', C)
+        x = self.proj(x).movedim(1, -1)  # (B, H', W', C) or (B, T', H', W', C)
         if self.flatten:
-            x = x.flatten(1, 2)  # (B, H'*W', C)
+            x = x.flatten(1, -2)  # (B, N, C)
         return x
+
+
+def _to_3tuple_int(value: Union[int, Sequence[int]], name: str) -> Tuple[int, int, int]:
+    if isinstance(value, int):
+        return (value, value, value)
+    value = tuple(value)
+    if len(value) != 3 or not all(isinstance(v, int) for v in value):
+        raise ValueError(f"expected {name} as an int or three ints, got {value!r}")
+    return value  # type: ignore[return-value]

@@ -1,7 +1,15 @@
 """Model families. Importing this package registers every named variant."""
 
 # Imported for their side effect: each module registers its named variants.
-from pareprop.models import converted_vit, mvit, rev_mvit, swin, text, vit  # noqa: E402,F401
+from pareprop.models import (  # noqa: E402,F401
+    converted_vit,
+    mvit,
+    rev_mvit,
+    rev_mvit_video,
+    swin,
+    text,
+    vit,
+)
 from pareprop.models._fx import register_fx_leaves
 from pareprop.models._registry import (
     create_model,

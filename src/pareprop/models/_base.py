@@ -167,8 +167,8 @@ class ClassifierMixin:
         """Map a published state dict onto this model's names (families with published
         weights override this with their ``checkpoint_filter_fn``)."""
         raise PretrainedError(
-            f"published weights exist only for Rev-ViT and Rev-MViT-B; {type(self).__name__} "
-            "loads pareprop checkpoints only"
+            "published weights exist only for Rev-ViT, Rev-MViT-B and Rev-MViT-B 16x4; "
+            f"{type(self).__name__} loads pareprop checkpoints only"
         )
 
     def _replace_head(self, num_classes: int, **head_kwargs: Any) -> None:

@@ -317,12 +317,16 @@ class MViTTransitionBlock(nn.Module):
 
 class MViTStage(nn.Module):
     """An optional transition block, then an optional reversible stack; ``(B, H, W, C) ->
-    (B, H', W', C')`` with C' = 2C when the stage has reversible blocks."""
+    (B, H', W', C')`` with C' = 2C when the stage has reversible blocks. Video maps
+    ``(B, T, H, W, C)`` pass the same way (the stack gets ``hw=(T, H, W)``)."""
 
-    def __init__(self, transition: nn.Module | None, stack: ReversibleStack | None):
+    def __init__(
+        self, transition: nn.Module | None, stack: ReversibleStack | None, map_dims: int = 2
+    ):
         super().__init__()
         self.transition = transition
         self.stack = stack
+        self.map_dims = map_dims  # 2: images (H, W); 3: videos (T, H, W)
         # The transition under activation checkpointing (RevMViT.set_grad_checkpointing).
         self.grad_checkpointing = False
 
@@ -331,10 +335,16 @@ class MViTStage(nn.Module):
         chunking = None if self.stack is None else self.stack.chunking
         x = maybe_checkpoint(self.transition, x, self.grad_checkpointing, chunking)
         if self.stack is not None:
-            B, H, W, C = x.shape
-            t = x.reshape(B, H * W, C)  # (B, N, C)
-            y1, y2 = self.stack(t, t, hw=(H, W))
-            x = torch.cat([y1, y2], dim=-1).view(B, H, W, 2 * C)  # (B, H, W, 2C)
+            # Unpacked to a fixed length, so that torch.fx can trace it.
+            if self.map_dims == 3:
+                B, T, H, W, C = x.shape
+                grid: Tuple[int, ...] = (T, H, W)
+            else:
+                B, H, W, C = x.shape
+                grid = (H, W)
+            t = x.reshape(B, -1, C)  # (B, N, C)
+            y1, y2 = self.stack(t, t, hw=grid)
+            x = torch.cat([y1, y2], dim=-1).view(B, *grid, 2 * C)  # (B, *map, 2C)
         return x
 
 

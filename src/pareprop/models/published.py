@@ -61,7 +61,7 @@ class PretrainedError(ValueError):
 class PublishedWeights:
     """Where a model's published weights live and what their publisher reports for them.
 
-    The accuracies are the publisher's ImageNet-1k figures, not measured by pareprop.
+    The accuracies are the publisher's figures on ``dataset``, not measured by pareprop.
     """
 
     url: str
@@ -70,6 +70,7 @@ class PublishedWeights:
     top5: float
     publisher: str = "PySlowFast (Mangalam et al., CVPR 2022)"
     mmpretrain_url: str = ""
+    dataset: str = "ImageNet-1k"
 
 
 _SLOWFAST = "https://dl.fbaipublicfiles.com/pyslowfast/rev/"
@@ -85,6 +86,11 @@ PUBLISHED: Dict[str, PublishedWeights] = {
         mmpretrain_url=_MMPRETRAIN + "revvit-base_3rdparty_in1k_20221213-87a7b0a5.pth",
     ),
     "rev_mvit_base": PublishedWeights(_SLOWFAST + "REV_MVIT_B.pyth", 39.7, 82.9, 96.3),
+    # 34,963,120 parameters (the publisher's table rounds down to 34.9M).
+    "rev_mvit_base_16x4": PublishedWeights(
+        _SLOWFAST + "REV_MVIT_B_16x4.pyth", 35.0, 78.4, 93.4,
+        dataset="Kinetics-400, 1 spatial crop x 5 clips",
+    ),
 }
 
 

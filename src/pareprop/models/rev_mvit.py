@@ -150,23 +150,28 @@ class RevMViTv1Block(ReversibleBlock):
         kv_stride: key/value pooling stride.
         mlp_ratio: MLP hidden width over ``dim``.
         qkv_bias: bias in the query, key and value maps.
-        pool_kernel: kernel of the pooling convolutions.
+        pool_kernel: kernel of the pooling convolutions (3 sides for video: the stack then
+            passes ``hw=(T, H, W)``).
         drop_path: stochastic-depth rate of both branches.
+        separate_qkv: separate q, k and v maps (False: one qkv map, as the video model).
     """
 
     def __init__(
         self,
         dim: int,
         num_heads: int,
-        kv_stride: int,
+        kv_stride: Union[int, Tuple[int, ...]],
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
-        pool_kernel: int = 3,
+        pool_kernel: Union[int, Tuple[int, ...]] = 3,
         drop_path: float = 0.0,
+        separate_qkv: bool = True,
     ):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = MultiScaleAttention(dim, num_heads, qkv_bias, pool_kernel, 1, kv_stride)
+        self.attn = MultiScaleAttention(
+            dim, num_heads, qkv_bias, pool_kernel, 1, kv_stride, separate_qkv=separate_qkv
+        )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
@@ -385,6 +390,11 @@ def checkpoint_filter_fn(
     if layout != "pyslowfast":
         raise PretrainedError(
             f"Rev-MViT-B weights are published by PySlowFast only; got a {layout} file"
+        )
+    if "pos_embed_temporal" in state_dict:
+        raise PretrainedError(
+            "the file has temporal position embeddings ('pos_embed_temporal'): it is the video "
+            "Rev-MViT-B 16x4 (create 'rev_mvit_base_16x4'), not the image model"
         )
     paths = model.block_paths()
     renames = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp.",

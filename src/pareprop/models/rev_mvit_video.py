@@ -1,0 +1,467 @@
+"""Rev-MViT-B 16x4: the published reversible multiscale video transformer (Kinetics-400).
+
+Mangalam et al., "Reversible Vision Transformers", CVPR 2022 (Rev-MViT-B 16x4: 34.9M
+parameters, Kinetics-400 top-1 78.4 / top-5 93.4 with 1 crop x 5 clips, as published by the
+authors); Fan et al., "Multiscale Vision Transformers", ICCV 2021 (pooling attention). This is
+the architecture of PySlowFast's ``configs/Kinetics/REV_MVIT_B_16x4_CONV.yaml`` built with no
+class token, so that ``REV_MVIT_B_16x4.pyth`` loads as published.
+
+NOTE [ Published Rev-MViT-B 16x4 ]
+The yaml sets ``CLS_EMBED_ON: True``, but PySlowFast's reversible model asserts there is no
+class token, so the file as published builds only with it off; so built, PySlowFast's own code
+counts 34,963,120 parameters, and so does this model. Input ``(B, 3, 16, 224, 224)``: 16 frames
+taken every 4th frame. Patch embedding Conv3d 3x7x7, stride 2x4x4, padding 1x3x3 (width 96,
+map 8x56x56), then separate spatial (56*56) and temporal (8) position embeddings, added. The
+blocks are the image Rev-MViT-B's (:class:`~pareprop.models.rev_mvit.RevMViTv1Block`, in 3-D):
+depth 16, transitions at 1, 3 and 14, 3x3x3 depthwise pooling, keys and values pooled with
+stride [1, 8, 8] in the first stage and halved with the queries' [1, 2, 2] at every transition,
+one qkv map with no bias. What differs from the image model is the transition
+(PySlowFast's defaults ``PRE_Q_FUSION: avg``, ``RES_PATH: conv``): it averages the two streams
+(2C -> C), and widens C -> 2C inside itself:
+
+    x = (x1 + x2) / 2                       # the previous stack's streams, C each
+    shortcut = norm_q(pool_q(res_proj(x)))  # res_proj: Linear C -> 2C; pool_q tied to attn's
+    x = shortcut + attn(norm1(x))           # attn: C -> 2C, queries pooled [1, 2, 2]
+    x = x + mlp(norm2(x))
+
+The head is the image model's: LayerNorm over the last stack's two streams side by side
+(2 x 768) on every token, the mean over tokens, dropout 0.5, a linear classifier. PySlowFast's
+head also applies a softmax in eval mode; this model returns logits (see
+:func:`pareprop.video.evaluate_clips` for the multi-view average).
+
+As in the image model, a transition's stochastic depth acts on each residual branch (PySlowFast
+drops its whole output): evaluation is identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+from timm.layers import Mlp, trunc_normal_
+
+from pareprop.engine import ENGINES, ReversibleStack
+from pareprop.layers import PatchEmbed, make_config
+from pareprop.layers.drop import DropPath
+from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
+from pareprop.models._base import (
+    ReversibleModelMixin,
+    drop_path_rates,
+    init_linears_,
+    make_head,
+    stage_group_matcher,
+)
+from pareprop.models._registry import register_model
+from pareprop.models.mvit import MViTStage
+from pareprop.models.published import PretrainedError, detect_layout
+from pareprop.models.rev_mvit import RevMViTv1Block
+
+__all__ = [
+    "RevMViTVideoConfig",
+    "RevMViTVideo",
+    "RevMViTVideoTransition",
+    "REV_MVIT_VIDEO_CONFIGS",
+    "KINETICS_MEAN",
+    "KINETICS_STD",
+    "checkpoint_filter_fn",
+]
+
+# PySlowFast's DATA.MEAN and DATA.STD, which the Kinetics yaml keeps: on pixels in [0, 1].
+KINETICS_MEAN = (0.45, 0.45, 0.45)
+KINETICS_STD = (0.225, 0.225, 0.225)
+
+Triple = Tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class RevMViTVideoConfig:
+    """Everything that defines a video Rev-MViT; variants are rows of
+    :data:`REV_MVIT_VIDEO_CONFIGS`. Defaults are the published 16x4 model."""
+
+    num_frames: int = 16
+    img_size: int = 224
+    in_chans: int = 3
+    num_classes: int = 400
+    embed_dim: int = 96
+    depth: int = 16
+    num_heads: int = 1
+    transition_blocks: Tuple[int, ...] = (1, 3, 14)  # PySlowFast's MVIT.REV.BUFFER_LAYERS
+    patch_kernel: Triple = (3, 7, 7)
+    patch_stride: Triple = (2, 4, 4)
+    patch_padding: Triple = (1, 3, 3)
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = False
+    pool_kernel: Triple = (3, 3, 3)
+    kv_stride: Triple = (1, 8, 8)  # of the first stage; divided by q_stride at each transition
+    q_stride: Triple = (1, 2, 2)  # of every transition
+    drop_rate: float = 0.5  # dropout before the classifier (MODEL.DROPOUT_RATE)
+    drop_path_rate: float = 0.05
+    engine: str = "reversible"
+    frame_stride: int = 4  # sampling rate of the clips it was trained on (data, not the model)
+    mean: Tuple[float, ...] = KINETICS_MEAN
+    std: Tuple[float, ...] = KINETICS_STD
+
+
+def _triple(value: Any, name: str) -> Triple:
+    if isinstance(value, int):
+        return (value, value, value)
+    value = tuple(value)
+    if len(value) != 3 or not all(isinstance(v, int) and v > 0 for v in value):
+        raise ValueError(f"expected {name} as a positive int or three (T, H, W), got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _check_config(cfg: RevMViTVideoConfig) -> None:
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
+    if cfg.num_classes < 0:
+        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+    t = cfg.transition_blocks
+    starts, ends = [0, *t], [*t, cfg.depth]
+    ok = list(t) == sorted(set(t)) and all(1 <= i < cfg.depth for i in t)
+    if not ok or any(e - s < (1 if s == 0 else 2) for s, e in zip(starts, ends)):
+        raise ValueError(
+            f"expected transition_blocks increasing in 1..depth-1 with at least one "
+            f"reversible block after each (depth={cfg.depth}), got {t}"
+        )
+
+
+@dataclass(frozen=True)
+class _Stage:
+    transition: int | None
+    reversible: List[int]
+    width_in: int  # of the transition's input streams (the previous stack's), else = width
+    width: int  # of the stage's reversible streams
+    num_heads: int
+    kv_stride: Triple
+
+
+def _plan(cfg: RevMViTVideoConfig) -> List[_Stage]:
+    starts, ends = [0, *cfg.transition_blocks], [*cfg.transition_blocks, cfg.depth]
+    plans, width, kv = [], cfg.embed_dim, cfg.kv_stride
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        width_in = width
+        if s > 0:
+            width *= 2  # inside the transition (PySlowFast's DIM_MUL 2.0)
+            kv = tuple(max(k // q, 1) for k, q in zip(kv, cfg.q_stride))  # type: ignore[assignment]
+        plans.append(_Stage(
+            transition=a if s > 0 else None,
+            reversible=list(range(a + (s > 0), b)),
+            width_in=width_in,
+            width=width,
+            num_heads=cfg.num_heads * 2**s,
+            kv_stride=kv,
+        ))
+    return plans
+
+
+class RevMViTVideoTransition(nn.Module):
+    """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B 16x4 ]):
+    ``(B, T, H, W, 2 * dim) -> (B, T', H', W', dim_out)``, the input being the previous stack's
+    two streams side by side.
+
+    Args:
+        dim: width of each incoming stream (after the average).
+        dim_out: width out (2 * dim in the published model).
+        num_heads: attention heads (doubled from the previous stage).
+        q_stride: query (and shortcut) pooling stride.
+        kv_stride: key/value pooling stride.
+        mlp_ratio: MLP hidden width over ``dim_out``.
+        qkv_bias: bias in the qkv map.
+        pool_kernel: kernel of the pooling convolutions.
+        drop_path: stochastic-depth rate of both residual branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int,
+        num_heads: int,
+        q_stride: Triple,
+        kv_stride: Triple,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        pool_kernel: Triple = (3, 3, 3),
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        self.dim = dim
+        self.res_proj = nn.Linear(dim, dim_out)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = MultiScaleAttention(
+            dim, num_heads, qkv_bias, pool_kernel, q_stride, kv_stride,
+            dim_out=dim_out, separate_qkv=False,
+        )
+        if self.attn.pool_q is None:
+            raise ValueError(f"a transition pools its queries; got q_stride {q_stride}")
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim_out, eps=1e-6)
+        self.mlp = Mlp(dim_out, int(dim_out * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H, W, C2 = x.shape
+        grid = (T, H, W)
+        x = x.reshape(B, -1, C2)  # (B, N, 2C)
+        x = (x[..., : self.dim] + x[..., self.dim:]) / 2  # (B, N, C): PRE_Q_FUSION "avg"
+        # The shortcut is widened, then pooled by the attention's own query convolution and norm.
+        shortcut, q_grid = pool_heads(
+            self.attn.split_heads(self.res_proj(x)), grid, self.attn.pool_q, self.attn.norm_q
+        )  # (B, heads, N', hd)
+        shortcut = shortcut.transpose(1, 2).reshape(B, -1, self.attn.dim_out)  # (B, N', C')
+        a, _ = self.attn(self.norm1(x), grid)  # (B, N', C')
+        x = shortcut + self.drop_path1(a)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x.view(B, *q_grid, -1)  # (B, T', H', W', C')
+
+
+def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
+    """Return ``x``; raise ``ValueError`` unless it is a float ``(B, in_chans, T, H, W)`` batch
+    of the model's clip size."""
+    T, H, W = clip
+    want = f"(B, {in_chans}, {T}, {H}, {W}): clips of {T} frames at {H}x{W}"
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a video tensor {want}, got {type(x).__name__}")
+    if not torch.is_floating_point(x):
+        raise ValueError(
+            f"expected a floating-point video tensor, got dtype {x.dtype} with shape "
+            f"{tuple(x.shape)}; convert it first, e.g. x.float() / 255, then normalise"
+        )
+    if x.ndim != 5 or tuple(x.shape[1:]) != (in_chans, T, H, W):
+        raise ValueError(
+            f"expected input {want}, got {tuple(x.shape)}; sample {T} frames, crop to {H}x{W}, "
+            f"or create the model with num_frames={x.shape[2] if x.ndim == 5 else T} and "
+            f"img_size=... to match"
+        )
+    return x
+
+
+class RevMViTVideo(ReversibleModelMixin, nn.Module):
+    """The published reversible video MViT (Rev-MViT-B 16x4).
+
+    Args:
+        cfg: the configuration; see :class:`RevMViTVideoConfig`.
+    """
+
+    # forward_features gives channels-last maps (B, T, H, W, C): timm reads the channel axis
+    # of non-standard models from this.
+    feature_dim = -1
+
+    def __init__(self, cfg: RevMViTVideoConfig):
+        super().__init__()
+        cfg = make_config(
+            cfg,
+            patch_kernel=_triple(cfg.patch_kernel, "patch_kernel"),
+            patch_stride=_triple(cfg.patch_stride, "patch_stride"),
+            patch_padding=_triple(cfg.patch_padding, "patch_padding"),
+            pool_kernel=_triple(cfg.pool_kernel, "pool_kernel"),
+            kv_stride=_triple(cfg.kv_stride, "kv_stride"),
+            q_stride=_triple(cfg.q_stride, "q_stride"),
+            transition_blocks=tuple(cfg.transition_blocks),
+        )
+        _check_config(cfg)
+        self.cfg = cfg
+        self.in_chans = cfg.in_chans
+        self.clip_size: Triple = (cfg.num_frames, cfg.img_size, cfg.img_size)
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans, cfg.embed_dim, cfg.patch_kernel, cfg.patch_stride, cfg.patch_padding,
+            flatten=False,
+        )
+        self.grid_size = grid = self.patch_embed.output_size(self.clip_size)  # (T', H', W')
+        if min(grid) < 1:
+            raise ValueError(f"clip {self.clip_size} is smaller than the patch embedding")
+        self.pos_embed_spatial = nn.Parameter(torch.zeros(1, grid[1] * grid[2], cfg.embed_dim))
+        self.pos_embed_temporal = nn.Parameter(torch.zeros(1, grid[0], cfg.embed_dim))
+
+        plans = _plan(cfg)
+        self.num_stages = len(plans)
+        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
+        common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
+        stages = []
+        for s, p in enumerate(plans):
+            if p.width % p.num_heads:
+                raise ValueError(
+                    f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
+                    "(heads double every stage); lower num_heads or raise embed_dim"
+                )
+            transition = None
+            if p.transition is not None:
+                transition = RevMViTVideoTransition(
+                    p.width_in, p.width, p.num_heads, cfg.q_stride, p.kv_stride,
+                    drop_path=dpr[p.transition], **common,
+                )
+            blocks = [
+                RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=dpr[i],
+                               separate_qkv=False, **common)
+                for i in p.reversible
+            ]
+            stack = ReversibleStack(blocks, engine=cfg.engine)
+            stages.append(MViTStage(transition, stack, map_dims=3))
+        self.stages = nn.ModuleList(stages)
+        self._block_paths = _block_paths(plans)
+
+        self.num_classes = cfg.num_classes
+        self.num_features = 2 * plans[-1].width
+        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)  # on every token, before the mean
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = make_head(self.num_features, cfg.num_classes)
+        self._set_pretrained_cfg(
+            (cfg.in_chans, *self.clip_size),
+            tuple(cfg.mean),
+            tuple(cfg.std),
+            fixed_input_size=True,
+            crop_pct=1.0,
+            crop_mode="center",
+            interpolation="bilinear",
+            first_conv="patch_embed.proj",
+            num_frames=cfg.num_frames,
+            frame_stride=cfg.frame_stride,
+        )
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.pos_embed_spatial, std=0.02)
+        trunc_normal_(self.pos_embed_temporal, std=0.02)
+        init_linears_(self.stages)
+
+    def block_paths(self) -> List[str]:
+        """Module path of block ``i`` (PySlowFast's ``rev_backbone.layers.{i}``), in order."""
+        return list(self._block_paths)
+
+    def example_inputs(
+        self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
+    ) -> Tuple[torch.Tensor]:
+        """A random batch of clips ``(B, C, T, H, W)`` of the configured size."""
+        return (torch.randn(batch_size, self.cfg.in_chans, *self.clip_size, device=device,
+                            dtype=dtype),)
+
+    # -- timm model interface -------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {"pos_embed_spatial", "pos_embed_temporal"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups: the stem, each block in depth order, then the head."""
+        return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
+        self._replace_head(num_classes)
+        self.head.to(self.pos_embed_spatial.device, self.pos_embed_spatial.dtype)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_video(x, self.cfg.in_chans, self.clip_size)
+        x = self.patch_embed(x)  # (B, T, H, W, C)
+        T, H, W = self.grid_size
+        pos = self.pos_embed_spatial.view(1, 1, H, W, -1) + self.pos_embed_temporal.view(
+            1, T, 1, 1, -1
+        )  # (1, T, H, W, C)
+        return x + pos
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Clips ``(B, C, T, H, W)`` to the normalised last map ``(B, T', H', W', F)``."""
+        x = self._stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.norm(x)  # per token, as published (before the mean)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(x.flatten(1, -2).mean(dim=1))  # (B, F)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
+        return checkpoint_filter_fn(state, self)
+
+
+def _block_paths(plans: List[_Stage]) -> List[str]:
+    paths: Dict[int, str] = {}
+    for s, p in enumerate(plans):
+        if p.transition is not None:
+            paths[p.transition] = f"stages.{s}.transition"
+        for j, i in enumerate(p.reversible):
+            paths[i] = f"stages.{s}.stack.blocks.{j}"
+    return [paths[i] for i in sorted(paths)]
+
+
+_RENAMES = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp."}
+
+
+def checkpoint_filter_fn(
+    state_dict: Dict[str, torch.Tensor], model: RevMViTVideo
+) -> Dict[str, torch.Tensor]:
+    """Map PySlowFast's video Rev-MViT state dict onto ``model``'s names.
+
+    ``rev_backbone.layers.{i}`` becomes block ``i``'s module (:meth:`RevMViTVideo.block_paths`);
+    inside it ``F.norm -> norm1``, ``F.attn -> attn``, ``G.norm -> norm2``, ``G.mlp -> mlp``
+    (``res_proj`` keeps its name); ``head.projection -> head``. Shapes are as published (the
+    pooling convolutions are Conv3d here too). Keys of no known layout pass through, so that the
+    strict check names them.
+    """
+    layout = detect_layout(state_dict)
+    if layout == "pareprop":
+        return state_dict
+    if layout != "pyslowfast":
+        raise PretrainedError(
+            f"Rev-MViT-B 16x4 weights are published by PySlowFast only; got a {layout} file"
+        )
+    if "pos_embed" in state_dict and "pos_embed_spatial" not in state_dict:
+        raise PretrainedError(
+            "the file has one joint 'pos_embed' and no 'pos_embed_spatial': it is the image "
+            "Rev-MViT-B (create 'rev_mvit_base'), not the video model"
+        )
+    paths = model.block_paths()
+    prefix = "rev_backbone.layers."
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        new = key
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            if not i.isdigit() or int(i) >= len(paths):
+                raise PretrainedError(
+                    f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
+                    "create it with the file's depth"
+                )
+            for old, ours in _RENAMES.items():
+                if rest.startswith(old):
+                    rest = ours + rest[len(old):]
+                    break
+            new = f"{paths[int(i)]}.{rest}"
+        elif key.startswith("head.projection."):
+            new = "head." + key[len("head.projection."):]
+        out[new] = value
+    return out
+
+
+def clip_tokens(cfg: RevMViTVideoConfig) -> int:
+    """Tokens of the first stage for one clip (8 x 56 x 56 = 25,088 for the published model)."""
+    sizes = (cfg.num_frames, cfg.img_size, cfg.img_size)
+    return math.prod(
+        (s + 2 * p - k) // st + 1
+        for s, p, k, st in zip(sizes, cfg.patch_padding, cfg.patch_kernel, cfg.patch_stride)
+    )
+
+
+# fmt: off
+REV_MVIT_VIDEO_CONFIGS: Dict[str, RevMViTVideoConfig] = {
+    # PySlowFast configs/Kinetics/REV_MVIT_B_16x4_CONV.yaml without its class token (34.96M).
+    "rev_mvit_base_16x4": RevMViTVideoConfig(),
+}
+# fmt: on
+
+
+@register_model
+def rev_mvit_base_16x4(**kwargs: Any) -> RevMViTVideo:
+    return RevMViTVideo(make_config(REV_MVIT_VIDEO_CONFIGS["rev_mvit_base_16x4"], **kwargs))
