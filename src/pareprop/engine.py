@@ -366,7 +366,9 @@ def _call_checked(
 # silently wrong. As for parameters (NOTE [ Recomputing with the forward's parameters ]),
 # forward records each buffer of a recomputed block with its version: recomputation refuses a
 # buffer changed in place, and runs with forward's tensor where a buffer was replaced (a cast
-# or device move rebuilds them). The skip scale has its own check (``_plan_beta``).
+# or device move rebuilds them). The skip scale has its own check (``_plan_beta``). Rates kept
+# as plain floats (``nn.Dropout.p``, timm's ``DropPath.drop_prob``) are recorded by value and
+# refused likewise when changed.
 
 
 def _block_buffers(block: nn.Module) -> Iterator[Tuple[nn.Module, str, Tensor, int]]:
@@ -379,20 +381,37 @@ def _block_buffers(block: nn.Module) -> Iterator[Tuple[nn.Module, str, Tensor, i
             yield module, name, buf, buf._version
 
 
+def _block_rates(block: nn.Module) -> Iterator[Tuple[nn.Module, str, str, float]]:
+    for path, module in block.named_modules():
+        attr = "p" if isinstance(module, nn.modules.dropout._DropoutNd) else "drop_prob"
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            yield module, f"{path}.{attr}" if path else attr, attr, value
+
+
 @dataclass(frozen=True)
 class _ModeState:
     flags: Tuple[Tuple[nn.Module, bool], ...]
     buffers: Tuple[Tuple[nn.Module, str, Tensor, int], ...] = ()
+    rates: Tuple[Tuple[nn.Module, str, str, float], ...] = ()
     label: str = "a block"
 
     @staticmethod
     def capture(block: nn.Module, index: Optional[int] = None) -> "_ModeState":
         label = type(block).__name__ if index is None else f"{index} ({type(block).__name__})"
         return _ModeState(tuple((m, m.training) for m in block.modules()),
-                          tuple(_block_buffers(block)), f"block {label}")
+                          tuple(_block_buffers(block)), tuple(_block_rates(block)),
+                          f"block {label}")
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
+        for module, name, attr, value in self.rates:
+            if getattr(module, attr) != value:
+                raise RuntimeError(
+                    f"{name} of {self.label} changed from {value} to {getattr(module, attr)} "
+                    "between forward and backward; the reversible engines recompute the block "
+                    "with it, so its gradients would be wrong: change it after backward"
+                )
         swapped = []
         for module, name, buf, version in self.buffers:  # NOTE [ Block buffers in recomputation ]
             if buf._version != version:
