@@ -271,6 +271,19 @@ def test_converted_vit_with_fused_attention_dropout_chunks_g_only(monkeypatch):
     assert model.stack.blocks[0].f_split(model.patch_embed(x)) == chunking.Split.samples(BATCH)
 
 
+def test_converted_vit_with_timms_swiglu_mlp_equals_autograd_with_chunks():
+    # Any of timm's token-wise MLPs chunks: its dropouts take their slice of the whole mask.
+    from timm.layers import SwiGLU
+
+    torch.manual_seed(0)
+    model = _converted(mlp_layer=SwiGLU).double()
+    pareprop.set_chunking(model, chunks=3)
+    report = engine_errors(model, model.example_inputs(BATCH, dtype=torch.float64),
+                           engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+
+
 def test_plan_with_chunk_bytes_plans_less_on_rev_mvit_or_refuses(monkeypatch, capsys):
     # Rev-MViT (v1) chunks its reversible blocks and, checkpointed, its transitions: the plan
     # with a chunk size is lower (on main it printed the same peak beside the chunk size).

@@ -1811,10 +1811,10 @@ class ReversibleStack(nn.Module):
         """Rebuild and differentiate the recomputed blocks' branches in chunks, under the
         reversible engines: ``chunks`` per branch (at most the split's size), or the fewest
         chunks whose graph saves at most ``max_bytes`` (bytes or "64MiB"; measured once per
-        block and input shape). Branches that declare no split run whole; with neither
-        argument every branch runs whole again. Gradients are unchanged; see NOTE [ Chunked
-        backward ]. A block whose class declares neither ``f_split`` nor ``g_split`` is
-        refused, named: chunking would leave it as it is."""
+        block and input shape). A branch whose split is None for its input runs whole; a block
+        whose class declares neither ``f_split`` nor ``g_split`` is refused, named (chunking
+        would leave it as it is). With neither argument every branch runs whole again.
+        Gradients are unchanged; see NOTE [ Chunked backward ]."""
         chunking = parse_chunking(chunks, max_bytes)
         if chunking is not None:
             _check_splits(self)
