@@ -1,10 +1,12 @@
 """Chunked branches (pareprop.set_chunking): every family under every reversible engine equals
 plain autograd in float64 with chunk counts 1, 2, 3 and 7, dropout and drop-path on; chunked
-dropout draws exactly the whole branch's masks; the top block's outputs are left alone."""
+dropout draws exactly the whole branch's masks; the top block's outputs are left alone; a block
+that cannot split is refused by name."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
 
 import pareprop
 import test_grad_checkpointing as gc_tests
@@ -42,13 +44,34 @@ def _tiny_models():
         embed_dim=16, depth=3, num_heads=8, mlp_dim=32, num_classes=3, attn_drop_rate=0.1,
         drop_rate=0.1, drop_path_rate=0.2,
     )
-    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text}
+    rev_mvit = pareprop.create_model(
+        "rev_mvit_base", img_size=32, embed_dim=8, depth=4, transition_blocks=(2,),
+        num_classes=5, drop_path_rate=0.3,
+    )
+    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text, "rev_mvit": rev_mvit,
+            "converted": _converted()}
+
+
+def _converted(fused=False, **overrides):
+    """A converted timm ViT (class and register token, layer scale) with every dropout on,
+    coupled so that no block is stored. ``fused``: timm's fused attention, whose attention
+    dropout draws inside the kernel (F then runs whole)."""
+    kw = dict(img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=3, num_classes=5,
+              reg_tokens=1, init_values=0.5, drop_path_rate=0.3, proj_drop_rate=0.1,
+              attn_drop_rate=0.1)
+    source = VisionTransformer(**{**kw, **overrides})
+    for block in source.blocks:
+        block.attn.fused_attn = fused
+    model = pareprop.convert(source, tolerance=None)
+    pareprop.set_coupling(model, 0.3, 0.5)
+    assert model.stack.stored_blocks == ()
+    return model
 
 
 def _model(family):
     torch.manual_seed(0)
     model = _tiny_models()[family].double()
-    if family == "mvit":  # the key norm's bias has an exact zero gradient (see test_mvit.py)
+    if family in ("mvit", "rev_mvit"):  # the key norm's bias has an exact zero gradient
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("norm_k.bias"))
     return model
@@ -102,7 +125,7 @@ def test_chunked_dropout_and_drop_path_draw_the_whole_mask(count, dim, rows):
     assert not torch.equal(F.dropout(last.take(x, dim, rows), 0.4), last.take(whole, dim, rows))
 
 
-@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text"])
+@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text", "rev_mvit", "converted"])
 @pytest.mark.parametrize("count", COUNTS)
 def test_every_family_and_engine_equals_autograd_with_chunks(family, count, monkeypatch):
     model = _model(family)
@@ -201,12 +224,87 @@ def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
     assert pareprop.chosen_schedule(model) == "pareprop"
 
 
-def test_block_without_a_split_runs_whole_under_chunking():
+def test_a_block_without_a_split_is_refused_by_name():
+    # It used to run whole without a word: --chunk-bytes then did nothing on Rev-MViT (v1) and
+    # converted ViTs while `pareprop plan` printed a chunk size beside an unchanged peak.
     model = Model(3)
+    for call in (lambda: pareprop.set_chunking(model, chunks=4),
+                 lambda: pareprop.set_chunking(model, max_bytes="1MiB"),
+                 lambda: model.stack.set_chunking(chunks=4)):
+        with pytest.raises(ValueError, match=r"block(s\.| )0 \(MixerBlock\) declares no split"):
+            call()
+    assert model.stack.chunking is None
+    pareprop.set_chunking(model)  # off is always fine
+
+
+def test_a_block_that_declares_no_split_for_an_input_runs_whole():
+    # A class that defines f_split may answer None for an input (a converted block with fused
+    # attention dropout does): that branch runs whole, exactly, through the chunked schedule.
+    class Whole(type(Model(1).stack.blocks[0])):
+        def f_split(self, x, **kwargs):
+            return None
+
+    model = Model(3)
+    model.stack = pareprop.ReversibleStack([Whole(DIM) for _ in range(3)])
     pareprop.set_chunking(model, chunks=4)
     report = engine_errors(model, torch.randn(2, 5, DIM), engines=ENGINES, scale=torch.tensor(0.5))
     engine, key, err = worst_error(report)
     assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+
+
+def test_converted_vit_with_fused_attention_dropout_chunks_g_only(monkeypatch):
+    # NOTE [ timm's layers in chunks ]: SDPA's dropout cannot be sliced, so F runs whole.
+    torch.manual_seed(0)
+    model = _converted(fused=True).double()
+    pareprop.set_chunking(model, chunks=3)
+    seen = _spy_chunks(monkeypatch)
+    report = engine_errors(model, model.example_inputs(BATCH, dtype=torch.float64),
+                           engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+    tokens = 16 + 2  # patches, class and register token
+    assert seen and {size for size, _ in seen} == {tokens}  # G only
+    model.eval()  # no attention dropout to draw: F splits over samples again
+    x = model.example_inputs(BATCH, dtype=torch.float64)[0]
+    assert model.stack.blocks[0].f_split(model.patch_embed(x)) == chunking.Split.samples(BATCH)
+
+
+def test_converted_vit_with_timms_swiglu_mlp_equals_autograd_with_chunks():
+    # Any of timm's token-wise MLPs chunks: its dropouts take their slice of the whole mask.
+    from timm.layers import SwiGLU
+
+    torch.manual_seed(0)
+    model = _converted(mlp_layer=SwiGLU).double()
+    pareprop.set_chunking(model, chunks=3)
+    report = engine_errors(model, model.example_inputs(BATCH, dtype=torch.float64),
+                           engines=ENGINES)
+    engine, key, err = worst_error(report)
+    assert err < TOL, f"{engine} {key} relative error {err:.3e}"
+
+
+def test_plan_with_chunk_bytes_plans_less_on_rev_mvit_or_refuses(monkeypatch, capsys):
+    # Rev-MViT (v1) chunks its reversible blocks and, checkpointed, its transitions: the plan
+    # with a chunk size is lower (on main it printed the same peak beside the chunk size).
+    from pareprop.cli import plan as plan_cli
+    from pareprop.memory import plan_memory
+    from pareprop.models.rev_mvit import RevMViTv1Block
+
+    torch.set_default_dtype(torch.float32)  # planned as trained (the fixture puts it back)
+    kw = dict(device="cpu", num_classes=10, img_size=32, embed_dim=8, depth=7,
+              grad_checkpointing=True)
+    whole = plan_memory("rev_mvit_base", 16, "reversible", **kw)
+    chunked = plan_memory("rev_mvit_base", 16, "reversible", chunk_bytes="128KiB", **kw)
+    assert chunked.chunk_bytes == 128 * 2**10
+    assert chunked.peak < 0.9 * whole.peak, (chunked.peak, whole.peak)
+    # A block that cannot split: one line naming it, exit 2, no chunk size printed.
+    monkeypatch.setattr(RevMViTv1Block, "f_split", pareprop.ReversibleBlock.f_split)
+    monkeypatch.setattr(RevMViTv1Block, "g_split", pareprop.ReversibleBlock.g_split)
+    code = plan_cli.main(["--models", "rev_mvit_base", "--engines", "reversible",
+                          "--batch-sizes", "2", "--img-size", "32", "--device", "cpu",
+                          "--chunk-bytes", "128KiB", "--out", "/nonexistent/never"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert "RevMViTv1Block) declares no split" in out.err and len(out.err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -263,6 +361,34 @@ def test_bf16_autocast_is_replayed_in_chunks():
     assert errors[3] < max(2 * errors[None], 2e-2), errors
 
 
+@pytest.mark.parametrize("count", [None, 3])
+def test_autocast_is_replayed_in_chunks_with_backward_outside_autocast(count):
+    # The usual pattern: forward under autocast, backward after it. Recomputation must run
+    # under the forward's autocast (NOTE [ Autocast in recomputation ]): then a rebuilt input
+    # is the forward's up to float32 rounding (the streams are float32, the branch outputs
+    # the very same bf16 values), and PaReprop's gradients, rebuilt apart from its recover,
+    # equal Reprop's. A float32 recomputation of the bf16 forward misses both by ~1e-3; the
+    # test above, backward inside autocast and a 2e-2 floor, cannot see it.
+    model = _model("vit").float()
+    pareprop.set_chunking(model, chunks=count)
+    x = model.example_inputs(BATCH, dtype=torch.float32)[0]
+    grads = {}
+    for engine in ENGINES:
+        pareprop.set_engine(model, engine)
+        pareprop.debug_reconstruction(model, tolerance=1.0)  # record the errors, no warning
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().sum().backward()  # outside autocast
+        errors = [e for pair in model.stack.last_reconstruction_errors for e in pair]
+        assert len(errors) == 2 * len(model.stack.blocks) and max(errors) < 1e-5, errors
+        grads[engine] = {n: p.grad for n, p in model.named_parameters()}
+    worst = max(relative_error(grads["pareprop"][n], g) for n, g in grads["reversible"].items())
+    assert worst < 1e-5, worst
+
+
 def test_bad_chunking_is_refused_clearly():
     model = _model("vit")
     with pytest.raises(ValueError, match="chunk count >= 1"):
@@ -291,7 +417,8 @@ def test_skip_scale_with_chunks(count):
 
 # Rev-MViTv2's transitions (drop-path on) split over samples; Rev-Swin's merging over samples
 # and its fusion over the 15 rows of an odd 30 px map. Batch 8: 7 chunks leave an uneven one.
-CHECKPOINTED = {"mvit": "rev_mvitv2_tiny_32", "swin": "rev_swin_tiny_32"}
+CHECKPOINTED = {"mvit": "rev_mvitv2_tiny_32", "swin": "rev_swin_tiny_32",
+                "rev_mvit": "rev_mvit_base"}
 
 
 def _spy_checkpoint_chunks(monkeypatch):
@@ -336,7 +463,8 @@ def test_checkpointed_blocks_in_chunks_equal_plain_autograd(family, count, engin
     if count == 1:
         assert seen == []
         return
-    blocks = {"mvit": {"MViTTransitionBlock"}, "swin": {"PatchMerging", "StreamFusion"}}[family]
+    blocks = {"mvit": {"MViTTransitionBlock"}, "swin": {"PatchMerging", "StreamFusion"},
+              "rev_mvit": {"RevMViTv1Transition"}}[family]
     assert {cls for cls, _, _ in seen} == blocks
     assert all(c == min(count, size) for _, size, c in seen)
     if count == 7:
@@ -364,16 +492,13 @@ def test_checkpointed_blocks_chunked_by_bytes(engine, monkeypatch):
 
 
 def test_blocks_without_a_split_are_checkpointed_whole_under_chunking(monkeypatch):
-    # Rev-MViT (v1) transitions declare no split: checkpointed whole, still exact.
+    # A checkpointed module that declares no split is checkpointed whole, still exact.
     seen = _spy_checkpoint_chunks(monkeypatch)
-    name = "rev_mvit_base"
     torch.manual_seed(3)
-    x = gc_tests._model(name).example_inputs(2, dtype=torch.float64)[0]
-    want = gc_tests._step(gc_tests._model(name, engine="autograd"), x)
-    model = gc_tests._model(name, engine="reversible")
-    model.set_grad_checkpointing()
-    pareprop.set_chunking(model, chunks=2)
-    got = gc_tests._step(model, x)
-    assert relative_error(got[0], want[0]) < TOL
-    assert not gc_tests._gradient_errors(got[2], want[2])
+    layer = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.GELU())
+    x = torch.randn(8, 5, DIM, requires_grad=True)
+    out = recompute.maybe_checkpoint(layer, x, True, chunking.Chunking(count=3))
+    want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    got = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    assert all(relative_error(a, b) < TOL for a, b in zip(got, want))
     assert seen == []

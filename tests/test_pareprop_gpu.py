@@ -70,6 +70,9 @@ class Block(pareprop.ReversibleBlock):
     def g(self, x, **kwargs):
         return self._late(self.proj2(self.norm2(x)))
 
+    def f_split(self, x, **kwargs):  # declared, and None: whole branches, chunked schedule
+        return None
+
 
 class Model(nn.Module):
     def __init__(self, blocks):

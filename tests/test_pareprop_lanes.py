@@ -34,6 +34,9 @@ class Block(pareprop.ReversibleBlock):
     def g(self, x, **kwargs):
         return self.drop(self.mlp(self.norm2(x)))
 
+    def f_split(self, x, **kwargs):  # declared, and None: whole branches, chunked schedule
+        return None
+
 
 class Model(nn.Module):
     def __init__(self, depth, engine="pareprop", drop=0.2):

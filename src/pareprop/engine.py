@@ -366,18 +366,74 @@ def _call_checked(
 # pass in between) must not change what recomputation computes, so forward records the flag of
 # every module of each block and recomputation runs under those flags, restoring the current
 # ones after the block.
+#
+# NOTE [ Block buffers in recomputation ]
+# Buffers are part of it too: a converted block's alpha (ConvertedBlock.set_alpha, which
+# pareprop.set_coupling and CouplingSchedule call), a drop-path rate (DropPath.drop_prob, a
+# float32 buffer). Their setters write in place, so one called between forward and backward
+# would make recomputation compute another function than forward did and the gradients
+# silently wrong. As for parameters (NOTE [ Recomputing with the forward's parameters ]),
+# forward records each buffer of a recomputed block with its version: recomputation refuses a
+# buffer changed in place, and runs with forward's tensor where a buffer was replaced (a cast
+# or device move rebuilds them). The skip scale has its own check (``_plan_beta``). Rates kept
+# as plain floats (``nn.Dropout.p``, timm's ``DropPath.drop_prob``) are recorded by value and
+# refused likewise when changed.
+
+
+def _block_buffers(block: nn.Module) -> Iterator[Tuple[nn.Module, str, Tensor, int]]:
+    for module in block.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or buf.is_inference():  # an inference tensor has no version
+                continue
+            if module is block and name == "skip_scale":  # checked by _plan_beta
+                continue
+            yield module, name, buf, buf._version
+
+
+def _block_rates(block: nn.Module) -> Iterator[Tuple[nn.Module, str, str, float]]:
+    for path, module in block.named_modules():
+        attr = "p" if isinstance(module, nn.modules.dropout._DropoutNd) else "drop_prob"
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            yield module, f"{path}.{attr}" if path else attr, attr, value
 
 
 @dataclass(frozen=True)
 class _ModeState:
     flags: Tuple[Tuple[nn.Module, bool], ...]
+    buffers: Tuple[Tuple[nn.Module, str, Tensor, int], ...] = ()
+    rates: Tuple[Tuple[nn.Module, str, str, float], ...] = ()
+    label: str = "a block"
 
     @staticmethod
-    def capture(block: nn.Module) -> "_ModeState":
-        return _ModeState(tuple((m, m.training) for m in block.modules()))
+    def capture(block: nn.Module, index: Optional[int] = None) -> "_ModeState":
+        label = type(block).__name__ if index is None else f"{index} ({type(block).__name__})"
+        return _ModeState(tuple((m, m.training) for m in block.modules()),
+                          tuple(_block_buffers(block)), tuple(_block_rates(block)),
+                          f"block {label}")
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
+        for module, name, attr, value in self.rates:
+            if getattr(module, attr) != value:
+                raise RuntimeError(
+                    f"{name} of {self.label} changed from {value} to {getattr(module, attr)} "
+                    "between forward and backward; the reversible engines recompute the block "
+                    "with it, so its gradients would be wrong: change it after backward"
+                )
+        swapped = []
+        for module, name, buf, version in self.buffers:  # NOTE [ Block buffers in recomputation ]
+            if buf._version != version:
+                raise RuntimeError(
+                    f"buffer {name!r} of {self.label} was modified in place between forward "
+                    "and backward (set_alpha, set_coupling or a drop-path rate changed before "
+                    "backward?); the reversible engines recompute the block with it, so its "
+                    "gradients would be wrong: change it after backward"
+                )
+            current = module._buffers.get(name)
+            if current is not buf:
+                swapped.append((module, name, current))
+                module._buffers[name] = buf
         changed = [(m, m.training) for m, want in self.flags if m.training != want]
         for m, now in changed:
             m.training = not now
@@ -386,6 +442,8 @@ class _ModeState:
         finally:
             for m, now in changed:
                 m.training = now
+            for module, name, current in reversed(swapped):
+                module._buffers[name] = current
 
 
 @dataclass
@@ -415,7 +473,7 @@ def _couple(
     g_rng = _RngState.capture(x2.device)
     y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
-    records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
+    records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block, len(records))))
     return y1, y2
 
 
@@ -446,7 +504,7 @@ def _couple_chunked(
     g_rng = _RngState.capture(x2.device)
     y2 = _add_branch(plan, index, "g", y1, x2, g_rng)
     inputs = (x1.clone(), x2.clone()) if keep_inputs else None
-    plan.records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block)))
+    plan.records.append(_BlockRecord(f_rng, g_rng, inputs, _ModeState.capture(block, index)))
     return y1, y2
 
 
@@ -1504,11 +1562,15 @@ class ReversibleStack(nn.Module):
         """Rebuild and differentiate the recomputed blocks' branches in chunks, under the
         reversible engines: ``chunks`` per branch (at most the split's size), or the fewest
         chunks whose graph saves at most ``max_bytes`` (bytes or "64MiB"; measured once per
-        block and input shape). Branches that declare no split run whole; with neither
-        argument every branch runs whole again. Gradients are unchanged; see NOTE [ Chunked
-        backward ]."""
+        block and input shape). A branch whose split is None for its input runs whole; a block
+        whose class declares neither ``f_split`` nor ``g_split`` is refused, named (chunking
+        would leave it as it is). With neither argument every branch runs whole again.
+        Gradients are unchanged; see NOTE [ Chunked backward ]."""
+        chunking = parse_chunking(chunks, max_bytes)
+        if chunking is not None:
+            _check_splits(self)
         # The measured chunk costs stay: they depend on the blocks and the input, not on this.
-        self.chunking = parse_chunking(chunks, max_bytes)
+        self.chunking = chunking
         return self
 
     def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
@@ -1791,11 +1853,30 @@ def set_chunking(
     """Chunk the branches of every :class:`ReversibleStack` inside ``module`` in backward
     (:meth:`ReversibleStack.set_chunking`): the fewest chunks whose graph saves at most
     ``max_bytes``, or ``chunks`` per branch; neither turns chunking off. Returns ``module``."""
-    parse_chunking(chunks, max_bytes)  # checked once, before any stack changes
+    # Checked once, before any stack changes.
+    if parse_chunking(chunks, max_bytes) is not None:
+        for path, m in module.named_modules():
+            if isinstance(m, ReversibleStack):
+                _check_splits(m, path)
     for m in module.modules():
         if isinstance(m, ReversibleStack):
             m.set_chunking(chunks, max_bytes)
     return module
+
+
+def _check_splits(stack: ReversibleStack, path: str = "") -> None:
+    """Refuse chunking for a stack with a block that declares no split: chunking would leave
+    it whole, and a chunk size would promise memory it does not save."""
+    for i, block in enumerate(stack.blocks):
+        cls = type(block)
+        if cls.f_split is ReversibleBlock.f_split and cls.g_split is ReversibleBlock.g_split:
+            where = f"{path}.blocks.{i}" if path else f"block {i}"
+            raise ValueError(
+                f"{where} ({cls.__name__}) declares no split (f_split / g_split), so chunking "
+                "would leave it whole and save nothing; define f_split and f_chunk (or g_split "
+                "and g_chunk; NOTE [ Chunked branches ] in pareprop/chunking.py), or leave "
+                "chunking off"
+            )
 
 
 def debug_reconstruction(module: nn.Module, tolerance: float = 1e-3) -> nn.Module:

@@ -20,15 +20,19 @@ head reads Y2 of the last block, z_{2L+1}: timm's final norm, pooling and head s
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+import contextlib
+import functools
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import timm
 import torch
 import torch.nn as nn
+from timm.layers import DropPath as TimmDropPath
 from timm.models import load_state_dict
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
+from pareprop.chunking import Chunk, Split, dropout, whole_shape
 from pareprop.coupling import set_coupling
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.models._base import ReversibleModelMixin, make_head
@@ -91,6 +95,75 @@ class ConvertedBlock(ReversibleBlock):
 
     def g(self, x: torch.Tensor) -> torch.Tensor:
         return self.alpha * x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py; NOTE [ timm's layers
+    # in chunks ] below): F acts on each sample alone, G on each token alone.
+    def f_split(self, x: torch.Tensor) -> Optional[Split]:
+        if self.attn.training and _fused_attention_dropout(self.attn):
+            return None  # SDPA draws its mask inside the kernel: F runs whole
+        return Split.samples(x.shape[0])
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        with _sliced_dropouts(self.attn, chunk, dim=0):
+            h = self.ls1(self.attn(self.norm1(x)))  # (b, N, C)
+        return self.alpha * x + _drop_path_samples(self.drop_path1, h, chunk)
+
+    def g_split(self, x: torch.Tensor) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        with _sliced_dropouts(self.mlp, chunk, dim=1):
+            h = self.ls2(self.mlp(self.norm2(x)))  # (B, n, C)
+        # timm's drop-path draws one value per sample: on a chunk of tokens, the whole draw.
+        return self.alpha * x + self.drop_path2(h)
+
+
+# NOTE [ timm's layers in chunks ]
+# A converted block runs timm's own modules, which know nothing of chunks. Three things make
+# a chunk draw exactly what the whole branch drew (NOTE [ Exact randomness in chunks ] in
+# pareprop/chunking.py):
+# * every ``nn.Dropout`` inside timm's attention and MLP (attention weights and projection:
+#   batch at dim 0; the MLP's hidden maps: tokens at dim 1) runs, for the chunk only, as
+#   :func:`pareprop.chunking.dropout`, the chunk's slice of the whole tensor's mask (an
+#   instance ``forward`` shadows the class's while the chunk runs, as compile_blocks shadows
+#   F and G);
+# * timm's drop-path draws one value per sample: the same on a chunk of tokens, and the
+#   chunk's slice of the whole batch's draw on a chunk of samples (``_drop_path_samples``,
+#   timm's draw for the whole batch);
+# * fused attention (``F.scaled_dot_product_attention``) with dropout on the attention weights
+#   draws inside the kernel, which no slice reproduces: F then runs whole (G still chunks).
+#   timm's default ViTs have no attention dropout; ``attn.fused_attn = False`` lets F chunk.
+
+
+def _fused_attention_dropout(attn: nn.Module) -> bool:
+    drop = getattr(attn, "attn_drop", None)
+    return bool(getattr(attn, "fused_attn", False)) and getattr(drop, "p", 0.0) > 0.0
+
+
+@contextlib.contextmanager
+def _sliced_dropouts(module: nn.Module, chunk: Chunk, dim: int) -> Iterator[None]:
+    drops = [m for m in module.modules()
+             if isinstance(m, nn.Dropout) and m.training and m.p > 0.0]
+    for m in drops:
+        m.forward = functools.partial(dropout, p=m.p, training=True, chunk=chunk, dim=dim)
+    try:
+        yield
+    finally:
+        for m in drops:
+            del m.forward
+
+
+def _drop_path_samples(module: nn.Module, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """timm's drop-path on a chunk of samples: the chunk's slice of timm's draw for the whole
+    batch (``x.new_empty((B, 1, ...)).bernoulli_(keep)``, scaled by ``1 / keep``)."""
+    if not (isinstance(module, TimmDropPath) and module.training and module.drop_prob > 0.0):
+        return module(x)  # nn.Identity, or a drop-path that draws nothing
+    keep = 1.0 - module.drop_prob
+    shape, rows = whole_shape(x, chunk, 0)
+    mask = x.new_empty((shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    if keep > 0.0 and module.scale_by_keep:
+        mask.div_(keep)
+    return x * chunk.take(mask, 0, rows)
 
 
 def check_convertible(model: nn.Module) -> None:

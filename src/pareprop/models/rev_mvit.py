@@ -37,11 +37,12 @@ from typing import Any, Dict, List, Set, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import trunc_normal_
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.layers import PatchEmbed, check_image, make_config, to_2tuple_int
-from pareprop.layers.drop import DropPath
+from pareprop.layers import Mlp, PatchEmbed, check_image, make_config, to_2tuple_int
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
 from pareprop.models._base import (
     ReversibleImageModelMixin,
@@ -183,6 +184,22 @@ class RevMViTv1Block(ReversibleBlock):
     def g(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
 
+    # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py): F acts on each
+    # sample alone (keys and values are pooled over the sample's own token map, and pooling
+    # attention has no dropout), G on each token alone. Neither reads the map's layout beyond
+    # ``hw``, so the splits hold for a (T, H, W) map of video tokens as for an (H, W) one.
+    def f_split(self, x: torch.Tensor, hw: Tuple[int, ...]) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, ...]) -> torch.Tensor:
+        return drop_path(self.drop_path1, self.attn(self.norm1(x), hw)[0], chunk, dim=0)
+
+    def g_split(self, x: torch.Tensor, hw: Tuple[int, ...]) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, hw: Tuple[int, ...]) -> torch.Tensor:
+        return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
+
 
 class RevMViTv1Transition(nn.Module):
     """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B ]):
@@ -220,18 +237,28 @@ class RevMViTv1Transition(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_chunk(x, None)
+
+    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
+    # pareprop/layers/recompute.py): the fusion MLP, the pooled shortcut, pooling attention
+    # and the MLP all stay inside a sample.
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
+        """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
         B, H, W, C = x.shape
         x = x.reshape(B, H * W, C)  # (B, N, C)
         if self.fuse is not None:
-            x = x + self.fuse(x)
+            x = x + self.fuse(x)  # no dropout: the same on a chunk of samples
         # The shortcut is pooled by the attention's own query convolution and norm (tied).
         shortcut, (Hq, Wq) = pool_heads(
             self.attn.split_heads(x), (H, W), self.attn.pool_q, self.attn.norm_q
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, Hq * Wq, C)  # (B, N', C)
         a, _ = self.attn(self.norm1(x), (H, W))  # (B, N', C)
-        x = shortcut + self.drop_path1(a)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
+        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
         return x.view(B, Hq, Wq, C)  # (B, H', W', C)
 
 
