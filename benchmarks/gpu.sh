@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
-# The GPU run of pareprop, from the source tree, in at most 9 minutes in all (docs/gpu.md).
+# The GPU run of pareprop, from the source tree, in at most 8 minutes in all (docs/gpu.md).
 #
-#   benchmarks/gpu.sh OUTDIR              on a CUDA machine, <= 540 s
+#   benchmarks/gpu.sh OUTDIR              on a CUDA machine, <= 480 s
 #   benchmarks/gpu.sh --dry-run OUTDIR    the same steps on the CPU with tiny models, <= 380 s
 #
-# Needs torch, timm, torchvision, pytest, matplotlib (no registry access; pareprop is used from
-# ./src via PYTHONPATH). Steps, in this order, each under `timeout` within its allowance:
-#   1. tests      python -m pytest -m gpu                              -> OUTDIR/gpu_tests.log
-#   2. sanitizer  the same under TORCH_CUDA_SANITIZER=1 (torch's CUDA stream sanitizer, which
-#                 needs a CUDA device: without one the tests run without it)
-#                                                                      -> OUTDIR/gpu_tests_sanitizer.log
-#   3. sweeps     bf16, doubling batch sizes, each engine until out of memory, baselines first,
-#                 one `pareprop bench` call per engine (benchmarks/gpu_sweep.py):
-#                   OUTDIR/vit   Rev-ViT-B     rev_vit_base_patch16_224 vs vit_base_patch16_224
-#                   OUTDIR/mvit  Rev-MViTv2-B  rev_mvitv2_base vs mvitv2_base
-#                   OUTDIR/swin  Rev-Swin-T    rev_swin_tiny vs swin_tiny_patch4_window7_224
-#                   OUTDIR/text  Rev-RoBERTa-B rev_roberta_base vs text_encoder_base, seq 512
-#                 each with OUTDIR/NAME.log and OUTDIR/NAME/ENGINE/results.{json,jsonl,csv};
-#                 ViT, MViTv2 and Swin (the dry run: ViT) also run reversible and pareprop with
-#                 chunked branches (--chunk-bytes 1GiB; records in ENGINE_chunked/ name the size)
-#   4. summary    benchmarks/gpu_summary.py, printed last       -> OUTDIR/summary.txt
+# Needs torch, timm, torchvision, pytest (no registry access; pareprop is used from ./src via
+# PYTHONPATH). Steps, in this order, each under `timeout` within its allowance, each printing
+# its log when it ends:
+#   1. largest    the real largest batch under a 40 GiB cap beside the planned one
+#                 (benchmarks/real_largest_batch.py): Rev-ViT-B (1 GiB chunks) against timm's
+#                 ViT-B checkpointed and plain, Rev-Swin-T (transitions checkpointed, 1 GiB
+#                 chunks) against timm's Swin-T checkpointed        -> OUTDIR/largest.{log,json}
+#   2. small      the small-batch regime (benchmarks/small_batch.py): Rev-ViT-L and Rev-Swin-B
+#                 at batch 8-64, every engine and timm's checkpointed model, interleaved,
+#                 CUDA events, the fallback's choice                 -> OUTDIR/small.{log,json}
+#   3. profile    PaReprop's two streams, busy and overlapped, from one trace; a kernel table
+#                 of Rev-ViT-B (autograd) against timm's ViT-B (benchmarks/profile_steps.py)
+#                                                                    -> OUTDIR/profile.{log,json}
+#   4. tests      python -m pytest -m gpu                           -> OUTDIR/gpu_tests.log
+#   5. controls   the PaReprop GPU tests once per cross-stream wait with that wait dropped
+#                 (tests/conftest.py PAREPROP_DROP_WAIT): each must fail -> OUTDIR/controls.log
 #
 # Time: every step gets its planned share of what is left (what a step does not use goes to
 # the later ones, in proportion), minus GRACE for `timeout -k`, so even a step that ignores
 # SIGTERM is killed inside its allowance; SUMMARY_RESERVE seconds stay for the summary.
 # GPU_SH_TOTAL_S=N sets the limit to N seconds instead (a shorter rehearsal; the script's tests).
-# Exit status: 0 when every step and every configuration ran (out-of-memory and time-skipped
-# configurations included), 1 otherwise, 2 for bad usage.
+# Exit status: 0 when every step ran (a control that is not caught is reported, not a failure
+# of the run), 1 otherwise, 2 for bad usage.
 
 set -u
 DRY=0
@@ -46,48 +46,48 @@ OUT=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
 GRACE=5           # `timeout -k`: seconds between SIGTERM and SIGKILL, inside the allowance
-SUMMARY_RESERVE=15
+SUMMARY_RESERVE=10
 MIN_STAGE=10      # a step with less than this is skipped
 declare -A PLAN   # planned seconds; the allowance scales them to what is left
 if ((DRY)); then
   TOTAL=${GPU_SH_TOTAL_S:-380}
-  PLAN=([tests]=30 [sanitizer]=30 [vit]=75 [mvit]=60 [swin]=90 [text]=40)
-  # Chunked runs in the ViT sweep only: they exercise the same code, and the CPU is slow.
-  # 256 KiB: small enough that the tiny models' branches split in a few chunks.
-  VIT_CHUNKED=(--chunk-bytes 256KiB)
-  MVIT_CHUNKED=()
-  SWIN_CHUNKED=()
-  COMMON=(--device cpu --amp bf16 --warmup 1 --iters 2 --no-activation-bytes --quiet)
-  VIT=(rev_vit_tiny_patch4_32 vit_tiny_patch16_224 --img-size 32 --depths 2 --batch-sizes 2 4)
-  MVIT=(rev_mvitv2_tiny_32 mvitv2_tiny --img-size 32 --batch-sizes 2 4)
-  SWIN=(rev_swin_tiny_32 swin_tiny_patch4_window7_224 --img-size 32 --batch-sizes 2 4)
-  TEXT=(rev_roberta_small text_encoder_small --seq-len 32 --depths 2 --batch-sizes 2 4)
+  PLAN=([largest]=80 [small]=120 [profile]=50 [tests]=40 [controls]=80)
+  DEVICE=(--device cpu)
+  # A cap the tiny models fill at a few dozen images; the planned batches come from
+  # `python benchmarks/real_largest_batch.py --device cpu --cap 48MiB --img-size 32 ... plan`.
+  LARGEST=(--cap 48MiB --img-size 32 --steps 3
+           --case rev_vit_tiny_patch4_32 reversible 64 --chunk-bytes 256KiB --depth 2
+           --case vit_tiny_patch16_224 checkpointed 64 --depth 2)
+  SMALL=(--img-size 32 --batch-sizes 2 --warmup 1 --rounds 1
+         --pair rev_vit_tiny_patch4_32 vit_tiny_patch16_224)
+  PROFILE=(--img-size 32 --depth 2 --overlap rev_vit_tiny_patch4_32 2
+           --kernels rev_vit_tiny_patch4_32 vit_tiny_patch16_224 2 --top 5)
 else
-  TOTAL=${GPU_SH_TOTAL_S:-540}
-  # The sanitizer's tests took 51 s on an H200 (2026-12-04), plus the interpreter's start.
-  PLAN=([tests]=60 [sanitizer]=75 [vit]=100 [mvit]=105 [swin]=100 [text]=70)
-  # Chunked branches at the size BENCHMARKS.md plans the largest batches at.
-  VIT_CHUNKED=(--chunk-bytes 1GiB)
-  MVIT_CHUNKED=(--chunk-bytes 1GiB)
-  SWIN_CHUNKED=(--chunk-bytes 1GiB)
-  # No plan and no float64 gradient check per configuration: on the first GPU run (2026-12-04)
-  # they took most of each engine's share on the host, so only 2 of 6 batch sizes ran. The GPU
-  # tests check the gradients; `pareprop plan` plans.
-  COMMON=(--device cuda --amp bf16 --warmup 2 --iters 4 --no-activation-bytes --no-plan
-          --no-grad-check --quiet)
-  # Batch sizes: from where the GPU is busy to past the standard model's memory limit (an
-  # estimate for an 80-140 GiB device; an engine stops at its first out-of-memory).
-  VIT=(rev_vit_base_patch16_224 vit_base_patch16_224 --batch-sizes 128 256 512 1024 2048 4096)
-  MVIT=(rev_mvitv2_base mvitv2_base --batch-sizes 64 128 256 512 1024 2048 4096)
-  SWIN=(rev_swin_tiny swin_tiny_patch4_window7_224 --batch-sizes 256 512 1024 2048 4096 8192)
-  TEXT=(rev_roberta_base text_encoder_base --seq-len 512 --batch-sizes 32 64 128 256 512 1024 2048)
+  TOTAL=${GPU_SH_TOTAL_S:-480}
+  PLAN=([largest]=140 [small]=130 [profile]=40 [tests]=50 [controls]=110)
+  DEVICE=(--device cuda)
+  # Planned on the CPU at the commit that last changed the planner or these models (fake
+  # tensors, nothing allocated; 5 minutes for Rev-ViT-B): `pareprop.largest_batch(MODEL,
+  # ENGINE, 40 * 2**30, amp="bf16", img_size=224, ...)`, in BENCHMARKS.md ("Real largest
+  # batch under a cap").
+  LARGEST=(--cap 40GiB --img-size 224 --trace-oom
+           --case rev_vit_base_patch16_224 reversible 8380 --chunk-bytes 1GiB
+           --case vit_base_patch16_224 checkpointed 2767
+           --case vit_base_patch16_224 plain 608
+           --case rev_swin_tiny reversible 4089 --chunk-bytes 1GiB --grad-checkpointing
+           --case swin_tiny_patch4_window7_224 checkpointed 2340)
+  SMALL=(--batch-sizes 8 16 32 64
+         --pair rev_vit_large_patch16_224 vit_large_patch16_224
+         --pair rev_swin_base swin_base_patch4_window7_224)
+  PROFILE=(--overlap rev_vit_large_patch16_224 32
+           --kernels rev_vit_base_patch16_224 vit_base_patch16_224 128)
 fi
 if ! [[ $TOTAL =~ ^[0-9]+$ ]] || ((TOTAL <= SUMMARY_RESERVE)); then
   echo "benchmarks/gpu.sh: expected GPU_SH_TOTAL_S to be whole seconds above" \
     "$SUMMARY_RESERVE, got '$TOTAL'" >&2
   exit 2
 fi
-ORDER=(tests sanitizer vit mvit swin text)
+ORDER=(largest small profile tests controls)
 DEADLINE=$((SECONDS + TOTAL))
 FAILED=0
 : >"$OUT/steps.tsv"
@@ -147,45 +147,60 @@ if ((!DRY && !HAS_CUDA)); then
   exit 2
 fi
 
+# script STEP NOTE SCRIPT ARGS...: a benchmark script with its JSON record, its log printed.
+script() {
+  local step=$1 note=$2 path=$3 a
+  shift 3
+  a=$(allowance "$step")
+  run_step "$step" "$a" "$note" "$OUT/$step.log" python "$path" "${DEVICE[@]}" \
+    --json "$OUT/$step.json" "$@"
+  cat "$OUT/$step.log" 2>/dev/null | grep -v '^USDT\|^ERROR:.*gpuGetDeviceCount'
+}
+script largest "real largest batch under a cap" benchmarks/real_largest_batch.py "${LARGEST[@]}"
+script small "small-batch step times" benchmarks/small_batch.py "${SMALL[@]}"
+script profile "streams and kernels" benchmarks/profile_steps.py "${PROFILE[@]}"
+
 PYTEST=(python -m pytest -m gpu -q -p no:cacheprovider)
 run_step tests "$(allowance tests)" "" "$OUT/gpu_tests.log" "${PYTEST[@]}"
 tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null
-if ((HAS_CUDA)); then
-  run_step sanitizer "$(allowance sanitizer)" "TORCH_CUDA_SANITIZER=1" \
-    "$OUT/gpu_tests_sanitizer.log" env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}"
-else
-  # The sanitizer asks for the current CUDA stream on every operator, CPU ones included: with
-  # no CUDA device even `import pareprop` fails under it. Run the step, without it.
-  run_step sanitizer "$(allowance sanitizer)" "no CUDA device: ran without TORCH_CUDA_SANITIZER" \
-    "$OUT/gpu_tests_sanitizer.log" "${PYTEST[@]}"
-fi
-tail -n 1 "$OUT/gpu_tests_sanitizer.log" 2>/dev/null
 
-# sweep NAME LABEL MODEL BASELINE [DRIVER_ARGS...] -- BENCH_ARGS...: one model against its
-# standard model.
-sweep() {
-  local name=$1 label=$2 model=$3 baseline=$4 a driver=()
-  shift 4
-  while (($#)) && [[ $1 != -- ]]; do
-    driver+=("$1")
-    shift
+# controls: each cross-stream wait of the PaReprop schedule dropped in turn; the lane tests must
+# then fail. Without CUDA they skip, so nothing can be caught: the dry run says so.
+controls() {
+  local name rc per waits
+  waits=$(python -c 'from pareprop.engine import _Lanes; print(" ".join(_Lanes.WAITS))') || return 1
+  per=$(($1 / $(wc -w <<<"$waits")))
+  for name in $waits; do
+    PAREPROP_DROP_WAIT=$name timeout -k 2 "$per" "${PYTEST[@]}" -x tests/test_pareprop_gpu.py \
+      -k "not warn and not fsdp" >"$OUT/control_$name.log" 2>&1
+    rc=$?
+    if grep -qE '[0-9]+ failed' "$OUT/control_$name.log"; then
+      echo "control $name: caught ($(grep -oE '[0-9]+ failed' "$OUT/control_$name.log"))"
+    elif ((rc == 124 || rc == 137)); then
+      echo "control $name: not decided (timed out after $per s)"
+    elif grep -qE '[0-9]+ passed' "$OUT/control_$name.log"; then
+      echo "control $name: NOT caught (the tests passed without this wait)"
+    else
+      echo "control $name: NOT caught ($(tail -n 1 "$OUT/control_$name.log"))"
+    fi
   done
-  shift
-  a=$(allowance "$name")
-  # The driver stops itself 3 s before `timeout` would, to write what it measured.
-  run_step "$name" "$a" "$label" "$OUT/$name.log" python benchmarks/gpu_sweep.py --out "$OUT/$name" \
-    --budget "$((a - GRACE - 3 > 1 ? a - GRACE - 3 : 1))" --label "$label" --model "$model" \
-    --baseline "$baseline" "${driver[@]}" -- "${COMMON[@]}" "$@"
 }
-sweep vit Rev-ViT-B "${VIT[@]:0:2}" "${VIT_CHUNKED[@]}" -- "${VIT[@]:2}"
-sweep mvit Rev-MViTv2-B "${MVIT[@]:0:2}" "${MVIT_CHUNKED[@]}" -- "${MVIT[@]:2}"
-sweep swin Rev-Swin-T "${SWIN[@]:0:2}" "${SWIN_CHUNKED[@]}" -- "${SWIN[@]:2}"
-sweep text Rev-RoBERTa-B "${TEXT[@]:0:2}" -- "${TEXT[@]:2}"
+a=$(allowance controls)
+if ((a >= MIN_STAGE)); then
+  t0=$SECONDS
+  echo "== controls (up to ${a} s, log: $OUT/controls.log)"
+  controls "$((a - GRACE))" | tee "$OUT/controls.log"
+  step_done controls "${PIPESTATUS[0]}" "$t0" "one wait dropped at a time"
+else
+  step_done controls skipped "$SECONDS" "only ${a} s left"
+fi
 
 echo
-left=$((DEADLINE - SECONDS))
-((left < 5)) && left=5
-timeout -k 1 "$((left - 1))" python benchmarks/gpu_summary.py "$OUT" || FAILED=1
-echo
+echo "summary:"
+grep -h 'real/planned\|/ .* checkpointed: real' "$OUT/largest.log" 2>/dev/null | sed 's/^ */  /'
+grep -h 'reversible/autograd\|fallback chose' "$OUT/small.log" 2>/dev/null | sed 's/^ */  /' | head -20
+grep -h 'both busy\|copies' "$OUT/profile.log" 2>/dev/null | sed 's/^ */  /'
+tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/  gpu tests: /'
+sed 's/^/  /' "$OUT/controls.log" 2>/dev/null
 echo "total: ${SECONDS} s (limit ${TOTAL} s); results in $OUT"
 exit "$FAILED"
