@@ -65,6 +65,7 @@ from pareprop.finetune import (
     apply_convert_options,
     create_finetune_optimizer,
     load_initial_weights,
+    load_timm_pretrained,
     make_coupling_schedule,
 )
 from pareprop.fsdp import fsdp_available
@@ -134,13 +135,15 @@ class TrainConfig:
     fsdp: bool = False
     # Fine-tuning (pareprop.finetune). From published weights: pretrained (the model's published
     # file) or pretrained_file (a local one), with a fresh head when the class counts differ.
-    # From a timm ViT converted to a reversible coupling: convert_from, and pretrained_file is
-    # then the timm weights. layer_decay scales block i's learning rate by
-    # layer_decay ** (L - i) (timm's optimizer factory).
+    # From a timm ViT converted to a reversible coupling: convert_from, from timm's pretrained
+    # weights (its download) or pretrained_file (a local copy of them). layer_decay scales
+    # block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
     pretrained: bool = False
     layer_decay: Optional[float] = None
     convert_from: Optional[str] = None
     pretrained_file: Optional[str] = None
+    # With convert_from: start from random weights instead of timm's pretrained ones.
+    from_scratch: bool = False
     coupling_schedule: str = "cosine"
     coupling_steps: Optional[int] = None  # None: one epoch
 
@@ -433,6 +436,8 @@ class Trainer:
             ckpt_lib.load_weights(model, resume)
         elif cfg.convert_from is None and (cfg.pretrained or cfg.pretrained_file):
             load_initial_weights(model, cfg.pretrained_file, name)
+        elif cfg.convert_from is not None and cfg.pretrained_file is None and not cfg.from_scratch:
+            load_timm_pretrained(model, cfg.convert_from)
         return model
 
     def _setup_engine(self, model: nn.Module) -> None:

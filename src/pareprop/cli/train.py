@@ -135,10 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
     p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
-                   "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
+                   "deit_*, ...) converted to a reversible coupling (pareprop.convert), from "
+                   "timm's pretrained weights; offline, give them as --pretrained-file")
     p.add_argument("--pretrained-file", help="start from the weights in this file: published "
                    "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
-                   "with --convert-from, the timm weights (read with weights_only=True)")
+                   "with --convert-from, a local copy of the timm weights (read with "
+                   "weights_only=True)")
+    p.add_argument("--from-scratch", action=argparse.BooleanOptionalAction,
+                   help="with --convert-from: random initial weights instead of timm's "
+                   "pretrained ones (off: timm's weights, downloaded, or --pretrained-file)")
     p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
                    help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
                    "(cosine); reversible: (0, 1) from the first step")
