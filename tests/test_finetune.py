@@ -170,3 +170,20 @@ def test_random_weights_only_when_asked_by_name(tmp_path, monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match="--from-scratch and --pretrained-file x.pt"):
         TrainConfig(convert_from=SOURCE, from_scratch=True, pretrained_file="x.pt")
+
+
+def test_a_pretrained_start_validates_with_the_models_data_config(tmp_path):
+    # Issue 34.2: an augreg ViT (mean = std = 0.5) was fine-tuned on ImageNet's statistics.
+    from PIL import Image
+
+    for c in range(2):
+        (tmp_path / "data" / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            image = Image.new("RGB", (12, 12), (80 * c, 40 * i, 9))
+            image.save(tmp_path / "data" / f"c{c}" / f"{i}.png")
+    _, path = _pretrained(tmp_path, num_classes=2)
+    trainer = Trainer(_cfg(tmp_path / "run", path, dataset=str(tmp_path / "data")))
+    config = trainer.data.data_config
+    assert timm.models.get_pretrained_cfg(SOURCE).mean == (0.5, 0.5, 0.5)
+    assert config["mean"] == config["std"] == [0.5] and config["interpolation"] == "bicubic"
+    assert config["input_size"] == [1, 8, 8]

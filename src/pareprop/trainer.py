@@ -59,7 +59,7 @@ from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.checkpoint import atomic_write
 from pareprop.chunking import parse_chunking
 from pareprop.compile import compile_blocks
-from pareprop.data import build_datasets, epoch_sampler
+from pareprop.data import build_datasets, epoch_sampler, model_data_config
 from pareprop.engine import ENGINES, set_chunking
 from pareprop.finetune import (
     apply_convert_options,
@@ -420,7 +420,8 @@ class Trainer:
         model = create_model(name, **kwargs)
         input_size = tuple(model.pretrained_cfg["input_size"])
         self.data = build_datasets(
-            cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment
+            cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment,
+            self._data_config(model, input_size),
         )
         if model.num_classes != self.data.num_classes:
             if resume is not None:
@@ -439,6 +440,17 @@ class Trainer:
         elif cfg.convert_from is not None and cfg.pretrained_file is None and not cfg.from_scratch:
             load_timm_pretrained(model, cfg.convert_from)
         return model
+
+    def _data_config(self, model: nn.Module, input_size: Tuple[int, ...]) -> Optional[dict]:
+        """The data config the run normalises by (NOTE [ One data config ] in
+        pareprop/data.py): the checkpoint's when resuming, the model's own when starting from
+        pretrained weights, else None (the data set's statistics)."""
+        cfg = self.cfg
+        if self.resume is not None:
+            return self.resume.meta.get("data_config")  # None: saved before it was recorded
+        if cfg.pretrained or cfg.pretrained_file or (cfg.convert_from and not cfg.from_scratch):
+            return model_data_config(model, input_size)
+        return None
 
     def _setup_engine(self, model: nn.Module) -> None:
         """Memory budget, activation checkpointing and compilation, in that order (the budget
@@ -653,7 +665,9 @@ class Trainer:
                 train_state=state,
                 tags=tags,
                 # The run's options travel with it: --resume and --eval-only restore them.
-                extra={"config": json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))},
+                extra={"config": json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str)),
+                       # pareprop eval validates as training did (NOTE [ One data config ]).
+                       "data_config": self.data.data_config},
                 state_dict=weights,
             )
         dist_lib.barrier(self.dist)
