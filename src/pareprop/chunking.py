@@ -128,8 +128,10 @@ class Chunking:
     def __post_init__(self) -> None:
         if (self.count is None) == (self.max_bytes is None):
             raise ValueError("expected exactly one of chunks= (a count) or max_bytes=")
-        if self.count is not None and (isinstance(self.count, bool) or self.count < 1):
-            raise ValueError(f"expected a chunk count >= 1, got {self.count!r}")
+        if self.count is not None and (
+            isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1
+        ):
+            raise ValueError(f"expected a chunk count >= 1 (a whole number), got {self.count!r}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise ValueError(f"expected max_bytes > 0, got {self.max_bytes!r}")
 

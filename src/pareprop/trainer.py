@@ -172,6 +172,12 @@ class TrainConfig:
                     "and give train the chunk size it reports (e.g. --chunk-bytes 256MiB)"
                 )
             parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
+            if self.engine == "autograd" and self.resume is None:
+                raise ValueError(
+                    f"--chunk-bytes {self.chunk_bytes} chunks the recomputation of the "
+                    f"reversible engines, and --engine {self.engine} recomputes nothing: use "
+                    "--engine reversible or pareprop, or drop --chunk-bytes"
+                )
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if self.model_kwargs is None:
@@ -423,6 +429,13 @@ class Trainer:
             cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment,
             self._data_config(model, input_size),
         )
+        asked = (cfg.model_kwargs or {}).get("num_classes")
+        if resume is None and asked is not None and asked != self.data.num_classes:
+            raise ValueError(
+                f"--num-classes {asked} disagrees with the data set {cfg.dataset!r}, which has "
+                f"{self.data.num_classes} classes: drop --num-classes (the head follows the "
+                "data) or give the data set it was meant for"
+            )
         if model.num_classes != self.data.num_classes:
             if resume is not None:
                 raise ValueError(

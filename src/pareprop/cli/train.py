@@ -185,7 +185,14 @@ def _parse_model_args(items: List[str]) -> Dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"expected --model-arg KEY=VALUE, got {item!r}")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(
+                f"cannot read --model-arg {item!r}: its value is not YAML ({problem}); e.g. "
+                "depth=6, embed_dim=384, drop_path_rate=0.1, img_size=[224,224]"
+            ) from None
     return out
 
 
@@ -204,6 +211,11 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
     if "num_classes" in ns:
         model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
+    if values.get("convert_from") and values.get("model") not in (None, "converted_vit"):
+        raise ValueError(
+            f"--model {values['model']} and --convert-from {values['convert_from']} name two "
+            "models: --convert-from builds the converted timm ViT; give one"
+        )
     if model_args:
         # --model-arg changes fields of the model that would otherwise be built: the file's
         # model_kwargs, else the preset for (model, dataset); it does not discard the rest.
