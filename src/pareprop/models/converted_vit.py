@@ -123,11 +123,28 @@ def check_convertible(model: nn.Module) -> None:
                 f"block {i} is a {kind}, not timm's pre-norm Block of two residual branches "
                 "(attention, then MLP)"
             )
+    hooked = [(name or "blocks", m) for name, m in model.blocks.named_modules()
+              if isinstance(m, (nn.Sequential, Block)) and _hooks(m)]
+    if hooked:
+        name, m = hooked[0]
+        raise UnsupportedModelError(
+            f"{'block ' + name if name != 'blocks' else 'model.blocks'} has {', '.join(_hooks(m))} "
+            "hook(s): the converted model calls the blocks' branches, never a Block's forward, "
+            "so they would not run. Remove them (handle.remove()) before converting, or "
+            "register them on the block's submodules (attn, mlp, norm1, ...), which do run"
+        )
     if getattr(model, "grad_checkpointing", False):
         raise UnsupportedModelError(
             "the model has timm's gradient checkpointing on; turn it off "
             "(set_grad_checkpointing(False)): the reversible engines replace it"
         )
+
+
+def _hooks(module: nn.Module) -> List[str]:
+    """The kinds of module hooks registered on ``module`` itself."""
+    kinds = (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
+             ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks"))
+    return [kind for kind, attr in kinds if getattr(module, attr, None)]
 
 
 # Attributes of timm's VisionTransformer that its embedding, pooling and head methods read.
