@@ -156,8 +156,6 @@ def read_state(path: PathLike) -> StateDict:
             f"{path!r} is a directory, not a weight file (pareprop.load_pretrained also takes "
             "pareprop checkpoint directories)"
         )
-    if os.path.getsize(path) == 0:
-        raise PretrainedError(f"cannot read {path!r}: the file is empty; download it again")
     if _is_safetensors(path):
         try:
             obj: Any = load_file(path, device="cpu")
