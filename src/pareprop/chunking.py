@@ -186,9 +186,9 @@ def parse_bytes(text: Union[int, float, str]) -> int:
         value, unit = float(m.group(1)), m.group(2).lower()
     size = value * _UNITS[unit]
     if not math.isfinite(size) or size > 2**62:
-        raise ValueError(f"expected a size below 4 EiB, got {text!r}")
+        raise ValueError(f"expected a memory size below 4 EiB, got {text!r}")
     if int(size) <= 0:
-        raise ValueError(f"expected a positive size (at least 1 byte), got {text!r}")
+        raise ValueError(f"expected a positive memory size (at least 1 byte), got {text!r}")
     return int(size)
 
 
