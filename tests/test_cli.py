@@ -63,6 +63,16 @@ def bad_files(tmp_path_factory):
     torch.save({"x": Runs()}, root / "code.pth")
     torch.save({"stack.blocks.0.f.weight": torch.zeros(3)}, root / "other.pth")
     torch.save({"model": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, root / "timm.pth")
+    # a model and a folder that evaluate: eval's own checks are what must refuse
+    from PIL import Image
+
+    import pareprop
+
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=2, num_classes=2)
+    torch.save(model.state_dict(), root / "good.pth")
+    for c in range(2):
+        (root / "images" / f"c{c}").mkdir(parents=True)
+        Image.new("RGB", (32, 32), (90 * c, 9, 9)).save(root / "images" / f"c{c}" / "0.png")
     return root
 
 
@@ -70,8 +80,9 @@ def _cases(root):
     out = ["--out", str(root / "run"), "--epochs", "1", "--max-steps", "1", "--no-progress"]
     conv = ["--convert-from", "vit_tiny_patch16_224", *_TINY_VIT]
     plan = ["--models", "rev_vit_tiny_patch4_32", "--device", "cpu", "--out", str(root / "plan")]
-    ev = ["eval", "--model", "rev_vit_tiny_patch4_32", "--checkpoint", str(root / "other.pth"),
-          "--data-dir", str(root / "dir")]
+    ev = ["eval", "--model", "rev_vit_tiny_patch4_32", "--model-arg", "depth=2",
+          "--model-arg", "num_classes=2", "--checkpoint", str(root / "good.pth"),
+          "--data-dir", str(root / "images"), "--workers", "0", "--no-progress"]
     cases = {
         "train chunk-bytes 1e400": ["train", "--chunk-bytes", "1e400", *out],
         "plan chunk-bytes 1e400": ["plan", *plan, "--chunk-bytes", "1e400", "--batch-sizes", "2"],
@@ -122,6 +133,9 @@ def test_bad_input_is_one_line_and_exit_2(case, bad_files, capsys):
 
 
 _NAMED = {
+    "eval limit 0": ("--limit",),
+    "eval device banana": ("banana",),
+    "eval json missing folder": ("does not exist",),
     "num-classes vs data": ("--num-classes 7", "'digits'", "10 classes"),
     "model with convert-from": ("--model rev_vit_tiny_patch4_32",
                                 "--convert-from vit_tiny_patch16_224"),
@@ -129,6 +143,12 @@ _NAMED = {
     "coupling-steps without convert-from": ("--coupling-steps 5", "--convert-from"),
     "chunk-bytes with autograd": ("--chunk-bytes 1MiB", "--engine autograd"),
 }
+
+
+def test_eval_of_the_case_files_works(bad_files, capsys):
+    # the eval cases above fail by their option alone
+    argv = _cases(bad_files)["eval limit 0"]
+    assert argv[-2:] == ["--limit", "0"] and main(argv[:-2]) == 0
 
 
 def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys):
