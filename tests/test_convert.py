@@ -218,3 +218,44 @@ def test_timm_named_configs_that_are_refused(name, reason):
     source = timm.create_model(name, pretrained=False, depth=2, img_size=32, num_classes=7)
     with pytest.raises(UnsupportedModelError, match=reason):
         pareprop.convert(source)
+
+
+def test_hooks_on_the_blocks_are_refused_naming_the_block():
+    # Issue 34.8: the converted model never calls a Block's forward, so its hooks were dropped.
+    seen = []
+    for register in ("register_forward_hook", "register_forward_pre_hook",
+                     "register_full_backward_hook"):
+        vit = _timm()
+        handle = getattr(vit.blocks[1], register)(lambda *args: seen.append(args))
+        with pytest.raises(UnsupportedModelError, match="block 1 has .* hook"):
+            pareprop.convert(vit)
+        handle.remove()  # what the message says to do
+        pareprop.convert(vit)
+    vit = _timm()
+    vit.blocks.register_forward_hook(lambda *args: None)
+    with pytest.raises(UnsupportedModelError, match="model.blocks has forward hook"):
+        pareprop.convert(vit)
+    # hooks on a block's submodules run in the converted model: kept
+    vit = _timm()
+    vit.blocks[0].attn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    pareprop.convert(vit).eval()(_images())
+    assert seen == [torch.Size([3, 17, 16])]
+
+
+def test_a_failed_load_timm_weights_leaves_the_model_untouched(tmp_path):
+    from safetensors.torch import save_file
+
+    from pareprop.models.converted_vit import load_timm_weights
+    from pareprop.pretrained import PretrainedError
+
+    vit = _timm(depth=2)
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    other = _timm(depth=3)  # one block more: its first two fit, the third does not
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()},
+              str(tmp_path / "deeper.pth"))  # safetensors named .pth: read by content
+    with pytest.raises(PretrainedError, match="unexpected, first blocks.2"):
+        load_timm_weights(vit, str(tmp_path / "deeper.pth"))
+    assert all(torch.equal(v, before[k]) for k, v in vit.state_dict().items())

@@ -11,6 +11,7 @@ from PIL import Image
 from torchvision import transforms
 
 import pareprop
+from pareprop.checkpoint import load_checkpoint
 from pareprop.cli import main as cli
 from pareprop.evaluate import evaluate
 
@@ -110,3 +111,40 @@ def test_clear_errors(folder, weights, capsys):
     assert "no weight file" in capsys.readouterr().err
     assert cli(["eval", "--checkpoint", str(path), "--data-dir", str(folder)]) == 2
     assert "--model NAME is needed" in capsys.readouterr().err
+
+
+def _split_folder(root, classes=3, per_class=(6, 4)):
+    rng = np.random.default_rng(1)
+    for split, n in zip(("train", "val"), per_class):
+        for c in range(classes):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                # a class-coloured tint, so a trained model gets some right
+                pixels = rng.integers(0, 245, size=(30 + 2 * i, 27, 3), dtype=np.uint8)
+                pixels[..., c] += 10
+                Image.fromarray(pixels).save(d / f"{i}.png")
+    return root
+
+
+def test_trainer_and_eval_agree_on_a_checkpoint(tmp_path, capsys):
+    # Issue 34.2: the trainer validated with ImageNet statistics (8/7 resize, bilinear) and
+    # eval with the model's pretrained_cfg (CIFAR statistics, bicubic, crop 1.0).
+    folder = _split_folder(tmp_path / "data")
+    run = tmp_path / "run"
+    model_args = [f"--model-arg={k}={v}" for k, v in
+                  dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2).items()]
+    assert cli(["train", "--dataset", str(folder), *model_args, "--epochs", "2",
+                "--batch-size", "6", "--lr", "3e-3", "--warmup-epochs", "0",
+                "--no-progress", "--out", str(run)]) == 0
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    val_acc = [r for r in records if r["type"] == "epoch"][-1]["val_acc"]
+    saved = load_checkpoint(run / "last", train_state=False).meta["data_config"]
+    assert saved["mean"] == pytest.approx([0.485, 0.456, 0.406])  # from scratch: the data's
+    capsys.readouterr()
+    out = tmp_path / "eval.json"
+    assert cli(["eval", "--checkpoint", str(run / "last"), "--data-dir", str(folder / "val"),
+                "--workers", "0", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["data_config"] == saved
+    assert result["images"] == 12 and result["top1"] == pytest.approx(100 * val_acc)

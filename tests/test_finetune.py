@@ -110,3 +110,80 @@ def test_a_converted_model_can_be_planned():
             img_size=32, num_classes=10, tolerance=None, coupling=coupling)
     # every block stored at (1, 0), none at (0, 1)
     assert plans[(0.0, 1.0)].peak < plans[(1.0, 0.0)].peak
+
+
+def _fake_timm_hub(monkeypatch, weights=None):
+    """timm.create_model as seen by the trainer, with pretrained=True answered from ``weights``
+    (a seed: timm's model of that seed stands for its download), or failing as offline."""
+    real = timm.create_model
+    calls = []
+
+    def create(name, pretrained=False, **kw):
+        if not pretrained:
+            return real(name, **kw)
+        calls.append(kw)
+        if weights is None:
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load this file")
+        torch.manual_seed(weights)
+        return real(name, **kw)
+
+    monkeypatch.setattr("pareprop.finetune.timm.create_model", create)
+    return calls
+
+
+def _tiny_args():
+    return [f"--model-arg={k}={v}" for k, v in TINY.items()]
+
+
+def test_convert_from_offline_refuses_naming_pretrained_file(tmp_path, monkeypatch, capsys):
+    # Issue 34.1: it used to train a random ViT and report as normal.
+    _fake_timm_hub(monkeypatch)
+    rc = main(["--convert-from", SOURCE, *_tiny_args(), "--epochs", "1", "--max-steps", "1",
+               "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "--pretrained-file" in err and "--from-scratch" in err
+    assert not (tmp_path / "run" / "last").exists()
+
+
+def test_convert_from_starts_at_timms_pretrained_weights(tmp_path, monkeypatch):
+    calls = _fake_timm_hub(monkeypatch, weights=123)
+    trainer = Trainer(TrainConfig(convert_from=SOURCE, model_kwargs=dict(TINY), epochs=1,
+                                  out=str(tmp_path / "run"), progress=False))
+    assert calls and calls[0]["num_classes"] == 10  # the data's classes: a fresh head
+    torch.manual_seed(123)
+    timm_vit = timm.create_model(SOURCE, num_classes=10, **TINY)
+    ours = trainer.model.state_dict()
+    for key, value in timm_vit.state_dict().items():
+        if not key.startswith("head."):
+            assert torch.equal(ours[key], value), key
+
+
+def test_random_weights_only_when_asked_by_name(tmp_path, monkeypatch):
+    calls = _fake_timm_hub(monkeypatch)  # any download would fail
+    for flags in (dict(from_scratch=True), dict(model_kwargs={**TINY, "pretrained": False})):
+        kw = dict(convert_from=SOURCE, model_kwargs=dict(TINY), epochs=1, progress=False,
+                  out=str(tmp_path / str(len(calls))))
+        cfg = TrainConfig(**{**kw, **flags})
+        assert cfg.from_scratch and "pretrained" not in cfg.model_kwargs
+        Trainer(cfg)
+    assert calls == []
+    with pytest.raises(ValueError, match="--from-scratch and --pretrained-file x.pt"):
+        TrainConfig(convert_from=SOURCE, from_scratch=True, pretrained_file="x.pt")
+
+
+def test_a_pretrained_start_validates_with_the_models_data_config(tmp_path):
+    # Issue 34.2: an augreg ViT (mean = std = 0.5) was fine-tuned on ImageNet's statistics.
+    from PIL import Image
+
+    for c in range(2):
+        (tmp_path / "data" / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            image = Image.new("RGB", (12, 12), (80 * c, 40 * i, 9))
+            image.save(tmp_path / "data" / f"c{c}" / f"{i}.png")
+    _, path = _pretrained(tmp_path, num_classes=2)
+    trainer = Trainer(_cfg(tmp_path / "run", path, dataset=str(tmp_path / "data")))
+    config = trainer.data.data_config
+    assert timm.models.get_pretrained_cfg(SOURCE).mean == (0.5, 0.5, 0.5)
+    assert config["mean"] == config["std"] == [0.5] and config["interpolation"] == "bicubic"
+    assert config["input_size"] == [1, 8, 8]

@@ -523,3 +523,44 @@ def test_a_checkpoint_of_the_earlier_vit_head_still_loads(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(model(x), old.eval()(x), rtol=0, atol=0)
+
+
+# Issue 34.5: one small model of every family; pareprop's own files of each load into another.
+FAMILIES = {
+    "rev_vit": lambda: pareprop.create_model("rev_vit_base_patch16_224", **VIT),
+    "rev_mvit": lambda: pareprop.create_model("rev_mvit_base", **MVIT),
+    "rev_mvitv2": lambda: pareprop.create_model("rev_mvitv2_tiny_32", embed_dim=8, img_size=32,
+                                                num_classes=5),
+    "rev_swin": lambda: pareprop.create_model("rev_swin_tiny_32", embed_dim=8, depths=(1, 2),
+                                              num_heads=(1, 2), window=4, patch_size=2,
+                                              img_size=16, num_classes=5),
+    "text": lambda: pareprop.create_model("rev_roberta_small", vocab_size=50, embed_dim=16,
+                                          depth=2, num_heads=2, mlp_dim=32, num_classes=3,
+                                          max_position_embeddings=16, example_seq_len=12),
+    "converted_vit": lambda: pareprop.create_model(
+        "converted_vit", source="vit_tiny_patch16_224", img_size=16, patch_size=4,
+        embed_dim=16, depth=2, num_heads=2, num_classes=5, tolerance=None),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_loads_its_own_files(family, tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    state = model.state_dict()
+    torch.save(state, tmp_path / "state.pth")
+    # safetensors under a torch name: recognised by content, not refused as a pickle
+    save_file({k: v.clone().contiguous() for k, v in state.items()}, str(tmp_path / "st.pth"))
+    run = tmp_path / "run"
+    save_checkpoint(run, model, epoch=1, step=1, tags=("last", "best"))
+    for target in (tmp_path / "state.pth", tmp_path / "st.pth", run, run / "best",
+                   run / "best" / "model.safetensors"):
+        torch.manual_seed(1)
+        other = FAMILIES[family]()
+        assert any(not torch.equal(v, other.state_dict()[k]) for k, v in state.items())
+        report = pareprop.load_pretrained(other, target)
+        assert report.layout == "pareprop", target
+        loaded = other.state_dict()
+        assert all(torch.equal(v, loaded[k]) for k, v in state.items()), target

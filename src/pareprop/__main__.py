@@ -2,7 +2,10 @@
 
 import sys
 
-from pareprop.cli import main
-
 if __name__ == "__main__":
+    try:  # Ctrl-C while pareprop (and torch) load: one line, no traceback
+        from pareprop.cli import main
+    except KeyboardInterrupt:
+        print("pareprop: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

@@ -399,11 +399,19 @@ def _keep_earlier_vit_head(meta: Dict[str, Any], state_dict: Dict[str, torch.Ten
 def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> nn.Module:
     """Rebuild the model a checkpoint was saved from (``create_model(name, **kwargs)``) and
     load its weights. ``overrides`` change config fields that do not touch the weights'
-    shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``)."""
+    shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``). The run's data config
+    (``data_config`` in model.json) goes into the model's ``pretrained_cfg``."""
     ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
     spec = ckpt.meta["model"]
     model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
     load_weights(model, ckpt)
+    data_config = ckpt.meta.get("data_config")
+    if isinstance(data_config, dict) and isinstance(getattr(model, "pretrained_cfg", None), dict):
+        # The transform the run validated with; timm's resolve_data_config (pareprop eval)
+        # reads it from here (NOTE [ One data config ] in pareprop/data.py).
+        model.pretrained_cfg.update(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in data_config.items()}
+        )
     return model
 
 

@@ -50,14 +50,15 @@ rebuild and differentiate a branch a piece at a time.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Split", "Chunk", "Chunking", "chunks", "dropout", "whole_shape", "graph_bytes",
-           "linear_cost"]
+__all__ = ["Split", "Chunk", "Chunking", "chunks", "dropout", "parse_bytes", "whole_shape",
+           "graph_bytes", "linear_cost"]
 
 Tensor = torch.Tensor
 
@@ -128,8 +129,10 @@ class Chunking:
     def __post_init__(self) -> None:
         if (self.count is None) == (self.max_bytes is None):
             raise ValueError("expected exactly one of chunks= (a count) or max_bytes=")
-        if self.count is not None and (isinstance(self.count, bool) or self.count < 1):
-            raise ValueError(f"expected a chunk count >= 1, got {self.count!r}")
+        if self.count is not None and (
+            isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1
+        ):
+            raise ValueError(f"expected a chunk count >= 1 (a whole number), got {self.count!r}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise ValueError(f"expected max_bytes > 0, got {self.max_bytes!r}")
 
@@ -151,26 +154,43 @@ class Chunking:
 def parse_chunking(
     chunks: Optional[int] = None, max_bytes: Union[int, str, None] = None
 ) -> Optional[Chunking]:
-    """A :class:`Chunking` from ``chunks=`` or ``max_bytes=`` (bytes, or "64MiB"); None when
+    """A :class:`Chunking` from ``chunks=`` or ``max_bytes=`` (:func:`parse_bytes`); None when
     both are None (whole branches)."""
     if chunks is None and max_bytes is None:
         return None
-    if isinstance(max_bytes, str):
-        max_bytes = _parse_bytes(max_bytes)
+    if max_bytes is not None:
+        max_bytes = parse_bytes(max_bytes)
     return Chunking(count=chunks, max_bytes=max_bytes)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
-def _parse_bytes(text: str) -> int:
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    if not number or unit not in _UNITS:
-        raise ValueError(f"expected a size like 268435456, '256MiB' or '1GB', got {text!r}")
-    return int(float(number) * _UNITS[unit])
+def parse_bytes(text: Union[int, float, str]) -> int:
+    """A size in bytes from ``268435456``, ``8e10``, ``"256MiB"``, ``"1.5 GB"`` or ``"2TiB"``:
+    the one parser of every size option (``--chunk-bytes``, ``--memory``, memory budgets).
+
+    Raises:
+        ValueError: naming the accepted forms, for anything else (NaN, infinity, <= 0 too).
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE.fullmatch(str(text))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"expected a memory size such as 80GiB, 80GB, 256MiB or 8e10 (bytes), "
+                f"got {text!r}"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = value * _UNITS[unit]
+    if not math.isfinite(size) or size > 2**62:
+        raise ValueError(f"expected a memory size below 4 EiB, got {text!r}")
+    if int(size) <= 0:
+        raise ValueError(f"expected a positive memory size (at least 1 byte), got {text!r}")
+    return int(size)
 
 
 def whole_shape(x: Tensor, chunk: Chunk, dim: int) -> Tuple[List[int], int]:

@@ -5,13 +5,23 @@ classes, with images already shaped for the model: ``(C, H, W)`` float tensors o
 input size and channel count. Shuffling is NOT done here: the trainer draws each epoch's order
 from ``(seed, epoch)`` (see :func:`epoch_sampler`) so a resumed run sees the same order as an
 uninterrupted one.
+
+NOTE [ One data config ]
+    A model is validated in training and evaluated by ``pareprop eval`` with one transform,
+    made by :func:`eval_transform` from one data config (timm's keys: ``input_size``,
+    ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``). A run that starts from
+    pretrained weights takes the model's own (:func:`model_data_config`, timm's
+    ``resolve_data_config``); one from scratch, the data set's statistics. Each builder reports
+    the config its validation set uses (:attr:`Datasets.data_config`); the trainer saves it in
+    every checkpoint, and :func:`pareprop.load_model` puts it back into the model's
+    ``pretrained_cfg``, where ``pareprop eval`` (and timm) read it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +37,10 @@ __all__ = [
     "cifar",
     "image_folder",
     "epoch_sampler",
+    "eval_transform",
+    "model_data_config",
     "DATASETS",
+    "DATA_CONFIG_KEYS",
 ]
 
 DATASETS = ("digits", "cifar10", "cifar100")
@@ -39,6 +52,49 @@ _CIFAR_STATS = {
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 _IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+# The keys of a data config (timm's resolve_data_config), NOTE [ One data config ].
+DATA_CONFIG_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+DataConfig = Dict[str, Any]
+
+
+def _config(input_size: Sequence[int], mean: Sequence[float], std: Sequence[float],
+            interpolation: str = "bilinear", crop_pct: float = 1.0,
+            crop_mode: str = "center") -> DataConfig:
+    """A data config as JSON keeps it (lists, not tuples), ``mean``/``std`` per channel."""
+    in_chans = int(input_size[0])
+    mean, std = [float(m) for m in mean], [float(v) for v in std]
+    if len(mean) != in_chans:  # RGB statistics for a grey model, or one value for all
+        mean, std = [sum(mean) / len(mean)] * in_chans, [sum(std) / len(std)] * in_chans
+    return dict(input_size=[int(v) for v in input_size], interpolation=str(interpolation),
+                mean=mean, std=std, crop_pct=float(crop_pct), crop_mode=str(crop_mode))
+
+
+def model_data_config(model: Any, input_size: Optional[Sequence[int]] = None) -> DataConfig:
+    """The model's own data config (timm's ``resolve_data_config`` of its ``pretrained_cfg``),
+    at ``input_size`` = ``(C, H, W)`` (default: the model's)."""
+    from timm.data import resolve_data_config
+
+    c = resolve_data_config({}, model=model)
+    return _config(input_size or c["input_size"], c["mean"], c["std"], c["interpolation"],
+                   c["crop_pct"], c.get("crop_mode", "center"))
+
+
+def eval_transform(config: DataConfig) -> Callable[[Any], torch.Tensor]:
+    """The evaluation transform of a data config (timm's ``create_transform``: resize to
+    ``size / crop_pct``, centre crop, normalise), taking an image (PIL) to ``(C, H, W)``;
+    for a 1-channel model, the image is made grey first."""
+    from timm.data import create_transform
+    from torchvision import transforms
+
+    c = _config(config["input_size"], config["mean"], config["std"],
+                config.get("interpolation", "bilinear"), config.get("crop_pct", 1.0),
+                config.get("crop_mode", "center"))
+    tf = create_transform(input_size=tuple(c["input_size"]), interpolation=c["interpolation"],
+                          mean=tuple(c["mean"]), std=tuple(c["std"]), crop_pct=c["crop_pct"],
+                          crop_mode=c["crop_mode"], is_training=False)
+    if c["input_size"][0] == 1:
+        tf = transforms.Compose([transforms.Grayscale(1), tf])
+    return tf
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -51,6 +107,8 @@ class Datasets:
     val: Dataset
     num_classes: int
     name: str
+    # The data config of the validation transform (NOTE [ One data config ]).
+    data_config: Optional[DataConfig] = None
 
 
 class _TensorImages(Dataset):
@@ -144,6 +202,7 @@ def digits(
         val=_TensorImages(x[val_idx], y[val_idx]),
         num_classes=10,
         name="digits",
+        data_config=_config((in_chans, img_size, img_size), [float(mean)], [float(std)]),
     )
 
 
@@ -171,10 +230,12 @@ def cifar(
     img_size: int = 32,
     in_chans: int = 3,
     augment: bool = True,
+    data_config: Optional[DataConfig] = None,
 ) -> Datasets:
     """CIFAR-10 or CIFAR-100 from ``data_dir`` through torchvision (the official test split is
     the validation set). Training augmentation: random crop with 4 pixels of padding and a
-    horizontal flip; both splits are normalised by the training set's channel statistics."""
+    horizontal flip; both splits are normalised by the training set's channel statistics, or
+    by ``data_config``'s (a pretrained model's), resized with its interpolation."""
     # torchvision is slow to import: loaded by the datasets that use it, not by the trainer.
     import torchvision
     from torchvision.transforms import v2
@@ -190,15 +251,19 @@ def cifar(
             f"pass --download to fetch it into {data_dir!r} with torchvision, or unpack "
             f"{cls.filename} from {cls.url} there",
         )
-    mean, std = _CIFAR_STATS[name]
-    if in_chans == 1:
-        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    size = (in_chans, img_size, img_size)
+    if data_config is None:
+        config = _config(size, *_CIFAR_STATS[name])
+    else:  # the whole image, resized: CIFAR's own crop_pct
+        config = _config(size, data_config["mean"], data_config["std"],
+                         data_config["interpolation"])
     common = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     if in_chans == 1:
         common.append(v2.Grayscale(1))
     if img_size != 32:
-        common.append(v2.Resize(img_size, antialias=True))
-    tail = [v2.Normalize(mean, std)]
+        mode = v2.InterpolationMode(config["interpolation"])
+        common.append(v2.Resize(img_size, interpolation=mode, antialias=True))
+    tail = [v2.Normalize(config["mean"], config["std"])]
     aug = [v2.RandomCrop(img_size, padding=img_size // 8), v2.RandomHorizontalFlip()]
     train_tf = v2.Compose(common + (aug if augment else []) + tail)
     val_tf = v2.Compose(common + tail)
@@ -207,7 +272,8 @@ def cifar(
         val = cls(data_dir, train=False, transform=val_tf, download=download)
     except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
         raise _missing(name, data_dir, f"torchvision said: {e}; pass --download") from e
-    return Datasets(train=train, val=val, num_classes=len(train.classes), name=name)
+    return Datasets(train=train, val=val, num_classes=len(train.classes), name=name,
+                    data_config=config)
 
 
 def image_folder(
@@ -217,32 +283,38 @@ def image_folder(
     val_fraction: float = 0.1,
     seed: int = 0,
     augment: bool = True,
+    data_config: Optional[DataConfig] = None,
 ) -> Datasets:
     """An image folder (``path/<class>/<image>``, or ``path/train`` and ``path/val`` each laid
     out so) through ``torchvision.datasets.ImageFolder``. Without ``train``/``val`` folders a
     fixed fraction is held out by ``seed``. Training: random resized crop and flip; validation:
-    resize to 8/7 of the size and centre crop. Normalised with the ImageNet statistics."""
+    :func:`eval_transform` of ``data_config`` (a pretrained model's), by default ImageNet's
+    statistics, bilinear, resize to 8/7 of the size and centre crop."""
     # torchvision is slow to import: loaded by the datasets that use it, not by the trainer.
     import torchvision
     from torchvision.transforms import v2
 
     if not os.path.isdir(path):
         raise _missing("image folder", path, "give a folder laid out as <class>/<image>")
-    mean, std = _IMAGENET_STATS
-    if in_chans == 1:
-        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    size = (in_chans, img_size, img_size)
+    if data_config is None:
+        config = _config(size, *_IMAGENET_STATS, crop_pct=0.875)
+    else:
+        config = _config(size, data_config["mean"], data_config["std"],
+                         data_config["interpolation"], data_config["crop_pct"],
+                         data_config.get("crop_mode", "center"))
+    mode = v2.InterpolationMode(config["interpolation"])
     head = [v2.ToImage()]
     if in_chans == 1:
         head.append(v2.Grayscale(1))
-    tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(config["mean"], config["std"])]
     if augment:
-        aug = [v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
+        aug = [v2.RandomResizedCrop(img_size, interpolation=mode, antialias=True),
+               v2.RandomHorizontalFlip()]
     else:
-        aug = [v2.Resize(img_size, antialias=True), v2.CenterCrop(img_size)]
+        aug = [v2.Resize(img_size, interpolation=mode, antialias=True), v2.CenterCrop(img_size)]
     train_tf = v2.Compose(head + aug + tail)
-    val_tf = v2.Compose(
-        head + [v2.Resize(img_size * 8 // 7, antialias=True), v2.CenterCrop(img_size)] + tail
-    )
+    val_tf = eval_transform(config)
 
     def load(folder: str, transform: Callable) -> torchvision.datasets.ImageFolder:
         try:
@@ -276,7 +348,8 @@ def image_folder(
         train = torch.utils.data.Subset(full_train, perm[n_val:])
         val = torch.utils.data.Subset(full_val, perm[:n_val])
         num_classes = len(full_train.classes)
-    return Datasets(train=train, val=val, num_classes=num_classes, name=os.path.basename(path))
+    return Datasets(train=train, val=val, num_classes=num_classes, name=os.path.basename(path),
+                    data_config=config)
 
 
 def build_datasets(
@@ -286,11 +359,14 @@ def build_datasets(
     download: bool = False,
     seed: int = 0,
     augment: bool = True,
+    data_config: Optional[DataConfig] = None,
 ) -> Datasets:
     """Data set by name (``digits``, ``cifar10``, ``cifar100``) or an image folder path, shaped
-    for a model whose ``pretrained_cfg["input_size"]`` is ``input_size`` = ``(C, H, W)``; for a
-    video model (``(C, T, H, W)``) a video folder with ``train`` and ``val`` splits
-    (:func:`pareprop.video.video_splits`)."""
+    for a model whose ``pretrained_cfg["input_size"]`` is ``input_size`` = ``(C, H, W)``,
+    normalised by ``data_config`` (NOTE [ One data config ]; digits keep their own
+    statistics) or, when None, by the data set's statistics; for a video model
+    (``(C, T, H, W)``) a video folder with ``train`` and ``val`` splits
+    (:func:`pareprop.video.video_splits`), normalised as published."""
     if len(input_size) == 4:
         try:
             train, val = video_splits(name, int(input_size[1]), int(input_size[2]), augment)
@@ -304,9 +380,10 @@ def build_datasets(
     if name == "digits":
         return digits(img_size, in_chans, seed=seed, augment=augment)
     if name in _CIFAR_STATS:
-        return cifar(name, data_dir, download, img_size, in_chans, augment)
+        return cifar(name, data_dir, download, img_size, in_chans, augment, data_config)
     if os.sep in name or os.path.isdir(name):
-        return image_folder(name, img_size, in_chans, seed=seed, augment=augment)
+        return image_folder(name, img_size, in_chans, seed=seed, augment=augment,
+                            data_config=data_config)
     raise ValueError(
         f"expected --dataset digits, cifar10, cifar100 or a path to an image folder, got {name!r}"
     )

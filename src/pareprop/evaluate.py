@@ -4,10 +4,12 @@ transform (video models: a video folder or CSV, 5 clips x 1 crop averaged; see
 
 The folder has ImageNet's validation layout: one sub-folder per class, whose sorted names give
 the class indices (``torchvision.datasets.ImageFolder``); for ImageNet-1k that is the order
-of the 1000 WordNet ids the published models were trained with. The transform comes from the
-model's ``pretrained_cfg`` through timm (``resolve_data_config`` then ``create_transform``):
-for the published reversible models, resize to 256 (bicubic), centre crop 224, ImageNet mean
-and standard deviation.
+of the 1000 WordNet ids the published models were trained with. The transform is
+:func:`pareprop.data.eval_transform` of the model's data config: timm's ``resolve_data_config``
+of its ``pretrained_cfg``, which for a model loaded from a pareprop checkpoint holds the config
+its run validated with (NOTE [ One data config ] in pareprop/data.py). For the published
+reversible models: resize to 256 (bicubic), centre crop 224, ImageNet mean and standard
+deviation.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
-from timm.data import create_transform, resolve_data_config
 from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 
+from pareprop.data import eval_transform, model_data_config
 from pareprop.engine import ReversibleStack, set_engine
 from pareprop.video import evaluate_video, is_video_model
 
@@ -30,13 +32,16 @@ __all__ = ["evaluate", "eval_loader"]
 
 
 def eval_loader(
-    model: nn.Module, data_dir: str, batch_size: int = 64, workers: int = 2
+    model: nn.Module, data_dir: str, batch_size: int = 64, workers: int = 2,
+    data_config: Optional[Dict[str, Any]] = None,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader over ``data_dir`` (an ImageFolder) with ``model``'s evaluation transform."""
+    """A DataLoader over ``data_dir`` (an ImageFolder) with the evaluation transform of
+    ``data_config`` (default: ``model``'s)."""
     if not os.path.isdir(data_dir):
         raise ValueError(f"expected --data-dir to be a folder of class folders, got {data_dir!r}")
-    config = resolve_data_config({}, model=model)
-    dataset = ImageFolder(data_dir, transform=create_transform(**config, is_training=False))
+    config = data_config or model_data_config(model)
+    dataset = ImageFolder(data_dir, transform=eval_transform(config))
+    dataset.data_config = config
     return torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, shuffle=False, num_workers=workers
     )
@@ -53,6 +58,7 @@ def evaluate(
     device: Any = None,
     progress: bool = True,
     limit: Optional[int] = None,
+    data_config: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Top-1 and top-5 accuracy (percent) of ``model`` on the ImageFolder ``data_dir``.
 
@@ -66,6 +72,8 @@ def evaluate(
         device: where to run (default: CUDA if available, else CPU).
         progress: show a tqdm progress bar.
         limit: evaluate only the first ``limit`` images (in folder order).
+        data_config: the transform's data config (default: the model's; NOTE [ One data
+            config ] in pareprop/data.py).
 
     Returns:
         ``{"top1", "top5", "images", "classes", "engine", "amp", "seconds", "data_config"}``.
@@ -74,11 +82,13 @@ def evaluate(
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     if engine is not None:
         set_engine(model, engine)
+    if limit is not None and limit < 1:
+        raise ValueError(f"expected limit >= 1 (or none for every image), got {limit}")
     if is_video_model(model):  # clips: 5 views per video, averaged (pareprop.video)
         result = evaluate_video(model, data_dir, batch_size=batch_size, workers=workers,
                                 amp=amp, device=device, progress=progress, limit=limit)
         return {**result, "engine": _engine_of(model)}
-    loader = eval_loader(model, data_dir, batch_size, workers)
+    loader = eval_loader(model, data_dir, batch_size, workers, data_config)
     classes = len(loader.dataset.classes)
     num_classes = getattr(model, "num_classes", None)
     if num_classes is not None and num_classes != classes:
@@ -114,7 +124,7 @@ def evaluate(
             bar.set_postfix(top1=f"{100 * correct1 / seen:.2f}")
     if seen == 0:
         raise ValueError(f"{data_dir!r} holds no images")
-    config = resolve_data_config({}, model=model)
+    config = loader.dataset.data_config
     return {
         "top1": 100.0 * correct1 / seen,
         "top5": 100.0 * correct5 / seen,

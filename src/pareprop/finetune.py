@@ -12,8 +12,10 @@ A converted timm ViT (``pareprop train --convert-from NAME``): the trainer keeps
 hooks (its config fields, one schedule step per optimizer step, the schedule's state in
 checkpoints); what they mean lives here. A run with ``convert_from`` builds
 ``create_model("converted_vit", source=NAME, ...)`` (pareprop.models.converted_vit), so
-checkpoints record the source, and the coupling the model was saved at, like any model;
-``--pretrained-file`` is then the timm weights of the source.
+checkpoints record the source, and the coupling the model was saved at, like any model.
+It starts from timm's pretrained weights of the source (:func:`load_timm_pretrained`, timm's
+download), or from ``--pretrained-file``, a local copy of them; offline without that file it
+refuses. Random weights only when asked for by name: ``--from-scratch``.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ __all__ = [
     "apply_convert_options",
     "make_coupling_schedule",
     "load_initial_weights",
+    "load_timm_pretrained",
     "create_finetune_optimizer",
 ]
 
 CONVERTED_MODEL = "converted_vit"
+DEFAULT_MODEL = "rev_vit_tiny_patch4_32"  # TrainConfig.model's default
 
 
 def apply_convert_options(cfg: Any) -> None:
@@ -51,12 +55,30 @@ def apply_convert_options(cfg: Any) -> None:
         )
     if cfg.coupling_steps is not None and int(cfg.coupling_steps) < 1:
         raise ValueError(f"expected --coupling-steps >= 1 (or unset), got {cfg.coupling_steps}")
+    if cfg.pretrained and cfg.pretrained_file is not None:
+        raise ValueError(
+            f"--pretrained (the published weights) and --pretrained-file {cfg.pretrained_file} "
+            "name two starting points: give one"
+        )
+    if cfg.from_scratch and (cfg.pretrained or cfg.pretrained_file is not None):
+        start = "--pretrained" if cfg.pretrained else f"--pretrained-file {cfg.pretrained_file}"
+        raise ValueError(f"--from-scratch and {start} contradict each other: give one")
     if cfg.convert_from is None:
+        if cfg.coupling_steps is not None:
+            raise ValueError(
+                f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
+                "this run converts nothing: add --convert-from NAME, or drop --coupling-steps"
+            )
         return  # --pretrained(-file) then starts a registered model (load_initial_weights)
     if cfg.pretrained:
         raise ValueError(
             "--pretrained downloads a published reversible model's weights; with --convert-from "
-            "give the timm weights as --pretrained-file (or none: timm's own download)"
+            "the timm weights are timm's own download, or a local copy as --pretrained-file"
+        )
+    if cfg.model not in (DEFAULT_MODEL, CONVERTED_MODEL):
+        raise ValueError(
+            f"--model {cfg.model} and --convert-from {cfg.convert_from} name two models: "
+            "--convert-from builds the converted timm ViT; give one"
         )
     if cfg.memory_budget is not None:
         raise ValueError(
@@ -66,6 +88,17 @@ def apply_convert_options(cfg: Any) -> None:
     if not timm.is_model(cfg.convert_from):
         raise ValueError(f"--convert-from {cfg.convert_from!r} is not a timm model name")
     kwargs = dict(cfg.model_kwargs or {})
+    # --model-arg pretrained=false asks for random initialisation by name, as --from-scratch.
+    pretrained = kwargs.pop("pretrained", None)
+    if pretrained is not None:
+        if not isinstance(pretrained, bool):
+            raise ValueError(f"expected --model-arg pretrained=true or false, got {pretrained!r}")
+        if not pretrained and cfg.pretrained_file is not None:
+            raise ValueError(
+                f"--model-arg pretrained=false and --pretrained-file {cfg.pretrained_file} "
+                "contradict each other: give one"
+            )
+        cfg.from_scratch = cfg.from_scratch or not pretrained
     kwargs["source"] = cfg.convert_from
     if cfg.pretrained_file is not None:
         kwargs["pretrained_file"] = cfg.pretrained_file
@@ -113,6 +146,38 @@ def load_initial_weights(
                 "and pass its path"
             ) from None
     return load_pretrained(model, path)
+
+
+# Keywords of the converted_vit factory that are not timm's.
+_CONVERT_KEYWORDS = ("source", "pretrained_file", "engine", "coupling", "tolerance")
+
+
+def load_timm_pretrained(model: nn.Module, source: str) -> None:
+    """Load timm's pretrained weights of ``source`` into the converted ``model`` (timm's
+    download cache; timm drops a head of another class count and adapts the input size).
+
+    Raises:
+        PretrainedError: timm has no pretrained weights for ``source``, or they cannot be
+            fetched (offline): the message names ``--pretrained-file`` and ``--from-scratch``.
+    """
+    cfg = timm.models.get_pretrained_cfg(source)
+    offline = "pass a local copy of the timm weights with --pretrained-file PATH, or start " \
+        "from random weights with --from-scratch"
+    if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
+        raise PretrainedError(f"--convert-from {source}: timm has no pretrained weights for it; "
+                              + offline)
+    kwargs = {k: v for k, v in getattr(model, "model_kwargs", {}).items()
+              if k not in _CONVERT_KEYWORDS}
+    kwargs["num_classes"] = model.num_classes
+    try:
+        vit = timm.create_model(source, pretrained=True, **kwargs)
+    except (OSError, RuntimeError) as e:  # no network, no cache, a damaged download
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise PretrainedError(
+            f"--convert-from {source}: cannot fetch timm's pretrained weights "
+            f"({type(e).__name__}: {first}); offline, {offline}"
+        ) from None
+    model.load_state_dict(vit.state_dict())
 
 
 def create_finetune_optimizer(

@@ -15,7 +15,7 @@ import os
 
 import torch.nn as nn
 
-from pareprop.checkpoint import META, CheckpointError, load_checkpoint
+from pareprop.checkpoint import META, WEIGHTS, CheckpointError, load_checkpoint
 from pareprop.models.published import (
     PUBLISHED,
     LoadReport,
@@ -47,17 +47,21 @@ def load_pretrained(model: nn.Module, path: PathLike, strict: bool = True) -> Lo
     missing, unexpected or misshapen tensor is an error that names it.
 
     Args:
-        model: a Rev-ViT or Rev-MViT (published layouts), or any pareprop model (its own
-            checkpoints). Size overrides (depth, width) load files of the same sizes.
-        path: a ``.pyth``/``.pth``/``.pt`` file, a ``.safetensors`` file, or a pareprop
-            checkpoint directory (or a run directory: its ``last`` checkpoint).
+        model: a Rev-ViT or Rev-MViT (published layouts), or any pareprop model of any
+            family (its own state dicts, ``model.safetensors`` files and checkpoints). Size
+            overrides (depth, width) load files of the same sizes.
+        path: a ``.pyth``/``.pth``/``.pt`` file or a ``.safetensors`` file (told apart by
+            content, not name), a pareprop checkpoint directory or a file in one, or a run
+            directory (its ``last`` checkpoint).
         strict: False tolerates missing and unexpected tensors (misshapen ones still fail).
 
     Raises:
         PretrainedError: unreadable, unsafe, foreign or non-fitting file.
     """
     path = os.fspath(path)
-    if os.path.isdir(path) or os.path.basename(path) == META:
+    in_checkpoint = os.path.basename(path) in (META, WEIGHTS) and os.path.isfile(
+        os.path.join(os.path.dirname(path) or ".", META))
+    if os.path.isdir(path) or in_checkpoint:  # verified by its checksums
         try:
             state = load_checkpoint(path, train_state=False).state_dict
         except CheckpointError as e:

@@ -59,12 +59,13 @@ from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.checkpoint import atomic_write
 from pareprop.chunking import parse_chunking
 from pareprop.compile import compile_blocks
-from pareprop.data import build_datasets, epoch_sampler
+from pareprop.data import build_datasets, epoch_sampler, model_data_config
 from pareprop.engine import ENGINES, set_chunking
 from pareprop.finetune import (
     apply_convert_options,
     create_finetune_optimizer,
     load_initial_weights,
+    load_timm_pretrained,
     make_coupling_schedule,
 )
 from pareprop.fsdp import fsdp_available
@@ -134,13 +135,15 @@ class TrainConfig:
     fsdp: bool = False
     # Fine-tuning (pareprop.finetune). From published weights: pretrained (the model's published
     # file) or pretrained_file (a local one), with a fresh head when the class counts differ.
-    # From a timm ViT converted to a reversible coupling: convert_from, and pretrained_file is
-    # then the timm weights. layer_decay scales block i's learning rate by
-    # layer_decay ** (L - i) (timm's optimizer factory).
+    # From a timm ViT converted to a reversible coupling: convert_from, from timm's pretrained
+    # weights (its download) or pretrained_file (a local copy of them). layer_decay scales
+    # block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
     pretrained: bool = False
     layer_decay: Optional[float] = None
     convert_from: Optional[str] = None
     pretrained_file: Optional[str] = None
+    # With convert_from: start from random weights instead of timm's pretrained ones.
+    from_scratch: bool = False
     coupling_schedule: str = "cosine"
     coupling_steps: Optional[int] = None  # None: one epoch
 
@@ -169,6 +172,12 @@ class TrainConfig:
                     "and give train the chunk size it reports (e.g. --chunk-bytes 256MiB)"
                 )
             parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
+            if self.engine == "autograd" and self.resume is None:
+                raise ValueError(
+                    f"--chunk-bytes {self.chunk_bytes} chunks the recomputation of the "
+                    f"reversible engines, and --engine {self.engine} recomputes nothing: use "
+                    "--engine reversible or pareprop, or drop --chunk-bytes"
+                )
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if self.model_kwargs is None:
@@ -417,8 +426,16 @@ class Trainer:
         model = create_model(name, **kwargs)
         input_size = tuple(model.pretrained_cfg["input_size"])
         self.data = build_datasets(
-            cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment
+            cfg.dataset, input_size, cfg.data_dir, cfg.download, cfg.seed, cfg.augment,
+            self._data_config(model, input_size),
         )
+        asked = (cfg.model_kwargs or {}).get("num_classes")
+        if resume is None and asked is not None and asked != self.data.num_classes:
+            raise ValueError(
+                f"--num-classes {asked} disagrees with the data set {cfg.dataset!r}, which has "
+                f"{self.data.num_classes} classes: drop --num-classes (the head follows the "
+                "data) or give the data set it was meant for"
+            )
         if model.num_classes != self.data.num_classes:
             if resume is not None:
                 raise ValueError(
@@ -433,7 +450,20 @@ class Trainer:
             ckpt_lib.load_weights(model, resume)
         elif cfg.convert_from is None and (cfg.pretrained or cfg.pretrained_file):
             load_initial_weights(model, cfg.pretrained_file, name)
+        elif cfg.convert_from is not None and cfg.pretrained_file is None and not cfg.from_scratch:
+            load_timm_pretrained(model, cfg.convert_from)
         return model
+
+    def _data_config(self, model: nn.Module, input_size: Tuple[int, ...]) -> Optional[dict]:
+        """The data config the run normalises by (NOTE [ One data config ] in
+        pareprop/data.py): the checkpoint's when resuming, the model's own when starting from
+        pretrained weights, else None (the data set's statistics)."""
+        cfg = self.cfg
+        if self.resume is not None:
+            return self.resume.meta.get("data_config")  # None: saved before it was recorded
+        if cfg.pretrained or cfg.pretrained_file or (cfg.convert_from and not cfg.from_scratch):
+            return model_data_config(model, input_size)
+        return None
 
     def _setup_engine(self, model: nn.Module) -> None:
         """Memory budget, activation checkpointing and compilation, in that order (the budget
@@ -648,7 +678,9 @@ class Trainer:
                 train_state=state,
                 tags=tags,
                 # The run's options travel with it: --resume and --eval-only restore them.
-                extra={"config": json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))},
+                extra={"config": json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str)),
+                       # pareprop eval validates as training did (NOTE [ One data config ]).
+                       "data_config": self.data.data_config},
                 state_dict=weights,
             )
         dist_lib.barrier(self.dist)

@@ -35,5 +35,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if name not in _COMMANDS:
         print(f"pareprop: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(_COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(_COMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C while torch and the command load, or before they run
+        print(f"pareprop {name}: interrupted", file=sys.stderr)
+        return 130

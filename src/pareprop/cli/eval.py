@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+import torch
+
 import pareprop
 from pareprop.checkpoint import META, CheckpointError
 from pareprop.cli.train import _parse_model_args
@@ -62,6 +64,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device(name: Optional[str]) -> Optional[torch.device]:
+    """``--device`` as a device this machine has (None: the default)."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"expected --device cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"expected --device cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    for name in ("limit", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"expected --{name.replace('_', '-')} >= 1, got {value}")
+    if args.workers < 0:
+        raise ValueError(f"expected --workers >= 0, got {args.workers}")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"--json {args.json}: the folder {folder!r} does not exist; create it (checked "
+                "before evaluating, so no result is lost)"
+            )
+
+
 def _is_pareprop_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and (
         os.path.exists(os.path.join(path, META)) or os.path.exists(os.path.join(path, "last"))
@@ -89,6 +127,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed
         return int(e.code or 0)
     try:
+        # Checked before the model is built and the folder read: nothing is lost to a typo.
+        device = _device(args.device)
+        _check_options(args)
         model = build_model(args)
         result = evaluate(
             model,
@@ -97,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             workers=args.workers,
             engine=args.engine,
             amp=args.amp,
-            device=args.device,
+            device=device,
             progress=not args.no_progress,
             limit=args.limit,
         )
@@ -109,6 +150,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as e:  # the result is printed above: not lost
+            print(f"pareprop eval: error: cannot write --json {args.json}: {e}", file=sys.stderr)
+            return 2
     return 0

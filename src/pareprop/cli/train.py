@@ -136,10 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
     p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
-                   "deit_*, ...) converted to a reversible coupling (pareprop.convert)")
+                   "deit_*, ...) converted to a reversible coupling (pareprop.convert), from "
+                   "timm's pretrained weights; offline, give them as --pretrained-file")
     p.add_argument("--pretrained-file", help="start from the weights in this file: published "
                    "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
-                   "with --convert-from, the timm weights (read with weights_only=True)")
+                   "with --convert-from, a local copy of the timm weights (read with "
+                   "weights_only=True)")
+    p.add_argument("--from-scratch", action=argparse.BooleanOptionalAction,
+                   help="with --convert-from: random initial weights instead of timm's "
+                   "pretrained ones (off: timm's weights, downloaded, or --pretrained-file)")
     p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
                    help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
                    "(cosine); reversible: (0, 1) from the first step")
@@ -181,7 +186,14 @@ def _parse_model_args(items: List[str]) -> Dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"expected --model-arg KEY=VALUE, got {item!r}")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(
+                f"cannot read --model-arg {item!r}: its value is not YAML ({problem}); e.g. "
+                "depth=6, embed_dim=384, drop_path_rate=0.1, img_size=[224,224]"
+            ) from None
     return out
 
 
@@ -200,6 +212,11 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
     if "num_classes" in ns:
         model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
+    if values.get("convert_from") and values.get("model") not in (None, "converted_vit"):
+        raise ValueError(
+            f"--model {values['model']} and --convert-from {values['convert_from']} name two "
+            "models: --convert-from builds the converted timm ViT; give one"
+        )
     if model_args:
         # --model-arg changes fields of the model that would otherwise be built: the file's
         # model_kwargs, else the preset for (model, dataset); it does not discard the rest.

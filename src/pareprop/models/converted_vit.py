@@ -28,7 +28,6 @@ import timm
 import torch
 import torch.nn as nn
 from timm.layers import DropPath as TimmDropPath
-from timm.models import load_state_dict
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
@@ -38,6 +37,7 @@ from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.models._base import ReversibleModelMixin, make_head
 from pareprop.models._features import check_output_fmt
 from pareprop.models._registry import register_model
+from pareprop.models.published import PretrainedError, read_state
 from pareprop.precision_guard import PrecisionGuard
 
 __all__ = [
@@ -196,11 +196,28 @@ def check_convertible(model: nn.Module) -> None:
                 f"block {i} is a {kind}, not timm's pre-norm Block of two residual branches "
                 "(attention, then MLP)"
             )
+    hooked = [(name or "blocks", m) for name, m in model.blocks.named_modules()
+              if isinstance(m, (nn.Sequential, Block)) and _hooks(m)]
+    if hooked:
+        name, m = hooked[0]
+        raise UnsupportedModelError(
+            f"{'block ' + name if name != 'blocks' else 'model.blocks'} has {', '.join(_hooks(m))} "
+            "hook(s): the converted model calls the blocks' branches, never a Block's forward, "
+            "so they would not run. Remove them (handle.remove()) before converting, or "
+            "register them on the block's submodules (attn, mlp, norm1, ...), which do run"
+        )
     if getattr(model, "grad_checkpointing", False):
         raise UnsupportedModelError(
             "the model has timm's gradient checkpointing on; turn it off "
             "(set_grad_checkpointing(False)): the reversible engines replace it"
         )
+
+
+def _hooks(module: nn.Module) -> List[str]:
+    """The kinds of module hooks registered on ``module`` itself."""
+    kinds = (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
+             ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks"))
+    return [kind for kind, attr in kinds if getattr(module, attr, None)]
 
 
 # Attributes of timm's VisionTransformer that its embedding, pooling and head methods read.
@@ -420,20 +437,38 @@ def converted_vit(
     return model
 
 
-def load_timm_weights(model: VisionTransformer, path: str) -> None:
+def load_timm_weights(model: nn.Module, path: str) -> None:
     """Load timm ViT weights from ``path`` (safetensors, or a torch file read with
-    weights_only=True) through timm's own ViT checkpoint filter (which adapts other layouts
-    and resamples position embeddings). A classifier of another class count is left out: the
-    model keeps its fresh head. Every other tensor must match."""
-    state = checkpoint_filter_fn(load_state_dict(path), model)
+    weights_only=True, told apart by content; bare or under ``model``/``state_dict``) through
+    timm's own ViT checkpoint filter (which adapts other layouts and resamples position
+    embeddings). A classifier of another class count is left out: the model keeps its fresh
+    head. Every other tensor must match, and is checked before any is copied: a file that does
+    not fit leaves ``model`` untouched.
+
+    Raises:
+        PretrainedError: the file is missing, unreadable, unsafe, or does not fit.
+    """
+    state = read_state(path)
+    name = type(model).__name__
+    try:
+        state = checkpoint_filter_fn(state, model)
+    except (RuntimeError, ValueError, KeyError, IndexError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise PretrainedError(f"{path!r} does not fit {name}: {first}") from None
     own = model.state_dict()
     head = [k for k in ("head.weight", "head.bias")
             if k in state and k in own and state[k].shape != own[k].shape]
     for key in head:
         del state[key]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) != set(head):
-        raise ValueError(
-            f"{path!r} does not fit {type(model).__name__}: missing "
-            f"{sorted(set(missing) - set(head))}, unexpected {sorted(unexpected)}"
+    missing = sorted(set(own) - set(state) - set(head))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+              for k in sorted(state) if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        what = [f"{len(v)} {label}, first {v[0]}" for label, v in
+                (("missing", missing), ("unexpected", unexpected), ("misshapen", shapes)) if v]
+        raise PretrainedError(
+            f"{path!r} does not fit {name}: {'; '.join(what)}; is it the weights of another "
+            "ViT (give --convert-from the source it was trained as, and its --model-arg sizes)?"
         )
+    model.load_state_dict(state, strict=False)

@@ -41,6 +41,7 @@ __all__ = [
     "load_weights_file",
     "load_state",
     "read_weights",
+    "read_state",
     "detect_layout",
     "published_cfg",
     "load_published",
@@ -135,10 +136,44 @@ def _torch_load(path: str) -> Any:
 
 
 def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors")
+    """Whether ``path`` holds safetensors, by its content (an 8-byte header length, then a JSON
+    header), whatever its name: a ``.pth`` of safetensors is not read as a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        size = os.path.getsize(path)
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 0 < n <= size - 8
 
 
-def read_weights(path: PathLike) -> Tuple[StateDict, str]:
+def read_state(path: PathLike) -> StateDict:
+    """The state dict in a weight file, read safely (NOTE [ Loading runs no code ]) whatever its
+    name says (safetensors or a torch file, by content), taken out of its publisher's container
+    (``model_state``, ``state_dict``, timm's and DeiT's ``model``)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise PretrainedError(f"no weight file at {path!r}")
+    if os.path.isdir(path):
+        raise PretrainedError(
+            f"{path!r} is a directory, not a weight file (pareprop.load_pretrained also takes "
+            "pareprop checkpoint directories)"
+        )
+    if _is_safetensors(path):
+        try:
+            obj: Any = load_file(path, device="cpu")
+        except Exception as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PretrainedError(f"cannot read {path!r} as safetensors: {first}") from None
+    else:
+        obj = _torch_load(path)
+    return _unwrap(obj, path)
+
+
+def read_weights(path: PathLike, model: Optional[nn.Module] = None) -> Tuple[StateDict, str]:
     """Read a weight file safely (NOTE [ Loading runs no code ]) and take its state dict out of
     the container its publisher used.
 
@@ -146,37 +181,22 @@ def read_weights(path: PathLike) -> Tuple[StateDict, str]:
         ``(state_dict, layout)`` with layout ``"pyslowfast"``, ``"mmpretrain"`` or
         ``"pareprop"`` (see :func:`detect_layout`).
     """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise PretrainedError(f"no weight file at {path!r}")
-    if os.path.isdir(path):
-        raise PretrainedError(
-            f"{path!r} is a directory; pareprop.load_pretrained reads pareprop checkpoint "
-            "directories, this reads weight files"
-        )
-    if _is_safetensors(path):
-        try:
-            obj: Any = load_file(path, device="cpu")
-        except Exception as e:
-            raise PretrainedError(f"cannot read {path!r} as safetensors: {e}") from None
-    else:
-        obj = _torch_load(path)
-    state = _unwrap(obj, path)
-    return state, detect_layout(state, path)
+    state = read_state(path)
+    return state, detect_layout(state, os.fspath(path), model)
 
 
 def _unwrap(obj: Any, path: str) -> StateDict:
-    """The state dict inside a PySlowFast (``model_state``), mmpretrain (``state_dict``) or
-    bare file."""
+    """The state dict inside a PySlowFast (``model_state``), mmpretrain (``state_dict``),
+    timm/DeiT (``model``) or bare file."""
     if isinstance(obj, Mapping):
-        for key in ("model_state", "state_dict"):
+        for key in ("model_state", "state_dict", "model"):
             if isinstance(obj.get(key), Mapping):
                 obj = obj[key]
                 break
     if not isinstance(obj, Mapping) or not obj:
         raise PretrainedError(
             f"{path!r} holds no state dict (expected a mapping of names to tensors, bare or "
-            f"under 'model_state' or 'state_dict'; got {type(obj).__name__})"
+            f"under 'model_state', 'state_dict' or 'model'; got {type(obj).__name__})"
         )
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
@@ -186,19 +206,33 @@ def _unwrap(obj: Any, path: str) -> StateDict:
     return dict(obj)
 
 
-def detect_layout(state: Mapping[str, torch.Tensor], path: str = "the file") -> str:
+def detect_layout(
+    state: Mapping[str, torch.Tensor], path: str = "the file", model: Optional[nn.Module] = None
+) -> str:
     """``"pyslowfast"`` (``rev_backbone.*``), ``"mmpretrain"`` (``backbone.*``) or
-    ``"pareprop"`` (pareprop's own module names)."""
+    ``"pareprop"``: pareprop's own module names, those of ``model`` when given (every family:
+    text models and converted ViTs too), recognised by content, not by the file's name."""
     keys = list(state)
     if any(k.startswith("rev_backbone.") for k in keys):
         return "pyslowfast"
     if any(k.startswith("backbone.") for k in keys):
         return "mmpretrain"
+    if model is not None:
+        own = set(unwrap_model(model).state_dict())
+        if own and sum(k in own for k in keys) * 2 >= len(keys):
+            return "pareprop"  # most of its names are the model's: _check_fits says the rest
     if any(k.startswith(("stack.blocks.", "stages.", "layers.")) for k in keys):
         return "pareprop"
+    hint = ""
+    if any(k.startswith("blocks.") for k in keys) and any("attn.qkv" in k for k in keys):
+        hint = (
+            "; they look like a timm ViT's: fine-tune it with pareprop train --convert-from "
+            "NAME --pretrained-file PATH (pareprop.convert), or load it into "
+            "create_model('converted_vit', source=NAME)"
+        )
     raise PretrainedError(
         f"{path} is in no layout pareprop knows (PySlowFast 'rev_backbone.*', mmpretrain "
-        f"'backbone.*', or a pareprop checkpoint); its first keys are {keys[:4]}"
+        f"'backbone.*', or pareprop's own names); its first keys are {keys[:4]}{hint}"
     )
 
 
@@ -226,7 +260,7 @@ def load_weights_file(model: nn.Module, path: PathLike, strict: bool = True) -> 
     mapped by the model's ``checkpoint_filter`` (its family's ``checkpoint_filter_fn``).
     See :func:`pareprop.load_pretrained` for the rules."""
     model = unwrap_model(model)
-    state, layout = read_weights(path)
+    state, layout = read_weights(path, model)
     if layout != "pareprop":
         state = model.checkpoint_filter(state)
     return load_state(model, state, layout, os.fspath(path), strict)
