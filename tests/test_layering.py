@@ -55,6 +55,23 @@ def _module_names() -> Dict[str, pathlib.Path]:
 
 MODULES = _module_names()
 
+# Inside the engine package, one concern a module, in the order a reader meets them (lowest
+# first): each imports only modules before it here; the package's __init__ (last) names the
+# public surface.
+ENGINE_ORDER: List[str] = [
+    "pareprop.engine.block",  # ReversibleBlock, the skip scale
+    "pareprop.engine.replay",  # state captured in forward, replayed in recomputation
+    "pareprop.engine.plan",  # what forward leaves for backward
+    "pareprop.engine.forward",  # the coupling, every call of F and G checked
+    "pareprop.engine.rebuild",  # recover and grads of one block, stored blocks
+    "pareprop.engine.chunked",  # the same a chunk at a time, and the chunked forward
+    "pareprop.engine.lanes",  # PaReprop's two lanes and the parameter aliases on them
+    "pareprop.engine.schedules",  # Reprop's and PaReprop's order of recover and grads
+    "pareprop.engine.function",  # the autograd Function
+    "pareprop.engine.stack",  # ReversibleStack and the model-wide setters
+    "pareprop.engine",
+]
+
 
 def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
@@ -230,6 +247,20 @@ def test_no_function_local_import_of_pareprop():
     assert not local, (
         "function-local imports of pareprop modules (import at the top; a function-local "
         "import is for an optional or heavy third-party module only):\n" + "\n".join(local))
+
+
+def test_engine_modules_keep_their_order():
+    engine = sorted(m for m in MODULES if _unit(m) == "pareprop.engine")
+    assert engine == sorted(ENGINE_ORDER), (
+        "place every module of pareprop.engine in ENGINE_ORDER (tests/test_layering.py): "
+        f"unplaced {sorted(set(engine) - set(ENGINE_ORDER))}, "
+        f"gone {sorted(set(ENGINE_ORDER) - set(engine))}")
+    graph, _ = _imports()
+    rank = {m: i for i, m in enumerate(ENGINE_ORDER)}
+    upward = [f"{m} imports {t}" for m in ENGINE_ORDER for t in sorted(graph[m])
+              if t in rank and rank[t] >= rank[m]]
+    assert not upward, ("engine modules importing their own or a later module of "
+                        "ENGINE_ORDER:\n" + "\n".join(upward))
 
 
 def _unit(name: str) -> str:

@@ -9,11 +9,11 @@ threshold: on the current training batch (the stack's own inputs, under the call
 it runs the stack forward without a graph, then rebuilds block inputs from the top with the
 engines' own arithmetic, and compares each rebuilt input with the real one (relative error, as
 the drift report and debug_reconstruction do). Walking down, a block whose rebuilt inputs are
-off by more than ``tolerance`` is stored instead (NOTE [ Stored blocks ] in engine.py): it keeps
-its graph from forward, its gradients are exact, and the chain below it restarts from its exact
-inputs. What a stored block's gradients read are its forward inputs; what a rebuilt block's
-gradients read are the rebuilt inputs of the block above, so the check covers every input a
-gradient reads (the first block's X1 is rebuilt but read by nobody, and not checked).
+off by more than ``tolerance`` is stored instead (NOTE [ Stored blocks ] in engine/rebuild.py): it
+keeps its graph from forward, its gradients are exact, and the chain below it restarts from its
+exact inputs. What a stored block's gradients read are its forward inputs; what a rebuilt block's
+gradients read are the rebuilt inputs of the block above, so the check covers every input a gradient
+reads (the first block's X1 is rebuilt but read by nobody, and not checked).
 
 Randomness is off for the measurement (dropout masks are noise here, not rounding), and the
 generators are forked, so a guarded step draws exactly what an unguarded step draws. The
@@ -76,8 +76,8 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
-    # As the stack does (NOTE [ Streams in float32 under autocast ] in engine.py): low-precision
-    # streams are widened under autocast.
+    # As the stack does (NOTE [ Streams in float32 under autocast ] in engine/stack.py):
+    # low-precision streams are widened under autocast.
     x1, x2 = x1.detach(), x2.detach()
     if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_dtype(x1.device.type):
         return x1.float(), x2.float()
