@@ -101,4 +101,4 @@ def test_each_prefetch_is_issued_on_the_lane_that_waits_for_it(fake_world, monke
         assert issued[block] == waited[block] == lanes[block], (
             f"block {block}: prefetch issued on lane {issued[block]}, waited for on lane "
             f"{waited[block]}, the block's lane is {lanes[block]}")
-    assert model.stack._sharding.prefetch_on is None  # handed back after backward
+    assert model.stack.sharding.prefetch_on is None  # handed back after backward

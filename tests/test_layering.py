@@ -290,6 +290,37 @@ def test_no_import_of_another_packages_private_names():
     assert not found, "imports of another package's private names:\n" + "\n".join(found)
 
 
+def _engine_private_attributes() -> Set[str]:
+    # ``self._name = ...`` inside pareprop.engine: the state its objects keep to themselves.
+    names = set()
+    for module, path in MODULES.items():
+        if _unit(module) != "pareprop.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                names.add(node.attr)
+    return names
+
+
+def test_no_reach_into_the_engines_private_attributes():
+    # ``stack._sharding = ...`` in fsdp.py, ``block._skip_scale_value`` in coupling.py: what
+    # another package needs of a stack or a block is public (stack.sharding, stack.probe,
+    # skip_scale_value, debug_reconstruction(None)).
+    private = _engine_private_attributes()
+    assert "_debug_tolerance" in private  # the scan sees the stack's private state
+    found = []
+    for module, path in MODULES.items():
+        if _unit(module) == "pareprop.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} reaches {node.attr}")
+    assert not found, ("private attributes of the engine's objects used outside "
+                       "pareprop.engine:\n" + "\n".join(found))
+
+
 def test_the_guard_sees_a_circle_and_an_upward_import():
     graph = {"pareprop.engine": {"pareprop.budget"}, "pareprop.budget": {"pareprop.engine"}}
     assert _cycles(graph) == [["pareprop.budget", "pareprop.engine", "pareprop.budget"]]

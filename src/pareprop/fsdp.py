@@ -252,7 +252,7 @@ def shard(
             if not isinstance(block, ReversibleBlock):
                 raise TypeError(f"expected ReversibleBlock units, got {type(block).__name__}")
             fully_shard(block, **kwargs)
-        stack._sharding = _BlockSharding(blocks, bool(reshard_after_forward))
+        stack.sharding = _BlockSharding(blocks, bool(reshard_after_forward))
     for unit in _units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack, skip_scale
+from pareprop.engine import ReversibleStack, skip_scale, skip_scale_value
 
 __all__ = ["GuardReport", "PrecisionGuard", "measure_rebuild_errors"]
 
@@ -84,10 +84,6 @@ def _streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
     return x1, x2
 
 
-def _beta_value(block: nn.Module) -> float:
-    return getattr(block, "_skip_scale_value", 1.0) if skip_scale(block) is not None else 1.0
-
-
 def measure_rebuild_errors(
     stack: ReversibleStack, x1: Tensor, x2: Tensor, tolerance: float, **kwargs: Any
 ) -> Tuple[List[float], List[int]]:
@@ -112,7 +108,7 @@ def measure_rebuild_errors(
             y1, y2 = x1, x2
             for index in reversed(range(len(blocks))):
                 block, beta = blocks[index], skip_scale(blocks[index])
-                if _beta_value(block) == 0.0:
+                if skip_scale_value(block) == 0.0:
                     error = math.inf
                 else:
                     # the engines' inversion: X2 = (Y2 - G(Y1)) / beta, X1 = (Y1 - F(X2)) / beta
@@ -166,7 +162,7 @@ class GuardReport:
 
 def _coupling_of(stack: ReversibleStack) -> Tuple[float, float]:
     block = stack.blocks[0]
-    return getattr(block, "_alpha_value", 1.0), _beta_value(block)
+    return getattr(block, "_alpha_value", 1.0), skip_scale_value(block)
 
 
 class _Hook:
@@ -250,7 +246,7 @@ class PrecisionGuard:
         self._steps[index] += 1
         if not self._due(index, stack):
             return
-        if stack._sharding is not None:
+        if stack.sharding is not None:
             raise RuntimeError(
                 "the precision guard cannot measure an FSDP-sharded stack (its blocks' "
                 "parameters are gathered only inside their own forward); build the model "

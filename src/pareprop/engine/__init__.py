@@ -30,7 +30,7 @@ package, one concern a module, each importing only those above it here:
 * ``stack``: :class:`ReversibleStack` and the functions that configure every stack of a model.
 """
 
-from pareprop.engine.block import ReversibleBlock, skip_scale
+from pareprop.engine.block import ReversibleBlock, skip_scale, skip_scale_value
 from pareprop.engine.lanes import MAIN_LANE, SIDE_LANE, current_lane
 from pareprop.engine.stack import (
     ENGINES,
@@ -54,6 +54,7 @@ __all__ = [
     "chosen_schedule",
     "schedule_reasons",
     "skip_scale",
+    "skip_scale_value",
     "current_lane",
     "MAIN_LANE",
     "SIDE_LANE",

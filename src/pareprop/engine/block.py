@@ -111,6 +111,12 @@ def skip_scale(block: nn.Module) -> Optional[Tensor]:
     return block._buffers.get("skip_scale") if isinstance(block, nn.Module) else None
 
 
+def skip_scale_value(block: nn.Module) -> float:
+    """The block's skip scale beta as a Python float (1.0 without one), read without a device
+    sync: the value :meth:`ReversibleBlock.set_skip_scale` was given."""
+    return getattr(block, "_skip_scale_value", 1.0) if skip_scale(block) is not None else 1.0
+
+
 def _skip(beta: Optional[Tensor], x: Tensor) -> Tensor:
     return x if beta is None else beta * x
 

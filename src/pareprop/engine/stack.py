@@ -81,10 +81,12 @@ class ReversibleStack(nn.Module):
         self.last_reconstruction_errors: List[Tuple[float, float]] = []
         self.stored_blocks: Tuple[int, ...] = ()
         self.store_blocks(stored_blocks)
-        # Called around each stored block's forward; set only while pareprop.budget measures.
-        self._probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
-        # Set by pareprop.fsdp.shard when every block is an FSDP2 unit.
-        self._sharding: Optional[Any] = None
+        # Called around each stored block's forward (block index, its X1) -> a context; set
+        # only while pareprop.memory.budget measures blocks.
+        self.probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
+        # Set by pareprop.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
+        # reversible blocks ] in pareprop/fsdp.py); None: the stack is not sharded.
+        self.sharding: Optional[Any] = None
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
@@ -147,11 +149,12 @@ class ReversibleStack(nn.Module):
         self.chunking = parse_chunking(chunks, max_bytes)
         return self
 
-    def debug_reconstruction(self, tolerance: float = 1e-3) -> "ReversibleStack":
+    def debug_reconstruction(self, tolerance: Optional[float] = 1e-3) -> "ReversibleStack":
         """For the next training step only: keep the forward's block inputs and warn, naming
         the block, when a rebuilt input differs from them by more than ``tolerance`` (relative
-        error). The errors are left in ``last_reconstruction_errors`` as (X1, X2) per block."""
-        self._debug_tolerance = float(tolerance)
+        error). The errors are left in ``last_reconstruction_errors`` as (X1, X2) per block.
+        ``None`` disarms a check that no step has used yet."""
+        self._debug_tolerance = None if tolerance is None else float(tolerance)
         return self
 
     def extra_repr(self) -> str:
@@ -169,7 +172,7 @@ class ReversibleStack(nn.Module):
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
             # backward hooks), as for any FSDP unit.
-            run = _call_block if self._sharding is not None else _couple
+            run = _call_block if self.sharding is not None else _couple
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
                 for block in self.blocks:
                     x1, x2 = checkpoint(run, block, x1, x2, kwargs, use_reentrant=False)
@@ -187,8 +190,8 @@ class ReversibleStack(nn.Module):
     @torch.compiler.disable
     def _forward_reversible(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         params, block_params, block_locations = self._trainable_params()
-        if self._sharding is not None:
-            self._sharding.check_inputs(x1, x2)
+        if self.sharding is not None:
+            self.sharding.check_inputs(x1, x2)
         elif not (x1.requires_grad or x2.requires_grad or params):
             with torch.no_grad():
                 return self.forward(x1, x2, **kwargs)
@@ -208,8 +211,8 @@ class ReversibleStack(nn.Module):
             stored=stored,
             betas=_forward_betas(self.blocks, stored),
             debug_tolerance=tolerance,
-            probe=self._probe,
-            sharding=self._sharding,
+            probe=self.probe,
+            sharding=self.sharding,
             chunking=self.chunking,
             chunk_costs=self._chunk_costs,
             schedule=self._schedule,
@@ -224,7 +227,7 @@ class ReversibleStack(nn.Module):
         block_params: List[List[Tuple[int, Tensor]]] = []
         block_locations: List[List[_ParamLocation]] = []
         for block in self.blocks:
-            if self._sharding is not None:  # gathered and listed in forward, block by block
+            if self.sharding is not None:  # gathered and listed in forward, block by block
                 block_params.append([])
                 block_locations.append([])
                 continue
