@@ -168,7 +168,7 @@ tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null
 # then fail. Without CUDA they skip, so nothing can be caught: the dry run says so.
 controls() {
   local name rc per waits
-  waits=$(python -c 'from pareprop.engine import _Lanes; print(" ".join(_Lanes.WAITS))') || return 1
+  waits=$(python -c 'from pareprop.engine.lanes import _Lanes; print(" ".join(_Lanes.WAITS))') || return 1
   per=$(($1 / $(wc -w <<<"$waits")))
   for name in $waits; do
     PAREPROP_DROP_WAIT=$name timeout -k 2 "$per" "${PYTEST[@]}" -x tests/test_pareprop_gpu.py \

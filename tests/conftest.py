@@ -28,7 +28,7 @@ def float64_seeded():
 @pytest.fixture(autouse=True, scope="session")
 def _negative_control():
     # benchmarks/gpu.sh's negative controls: with PAREPROP_DROP_WAIT=NAME the PaReprop schedule
-    # skips that one cross-stream wait (pareprop.engine's _Lanes.WAITS), so that the GPU tests
+    # skips that one cross-stream wait (pareprop.engine.lanes' _Lanes.WAITS), so that the GPU tests
     # can show they fail without it. Unset (always, outside gpu.sh), nothing changes.
     import os
 
@@ -36,7 +36,7 @@ def _negative_control():
     if not name:
         yield
         return
-    from pareprop.engine import _Lanes
+    from pareprop.engine.lanes import _Lanes
 
     if name not in _Lanes.WAITS:
         raise pytest.UsageError(f"PAREPROP_DROP_WAIT: expected one of {_Lanes.WAITS}, got {name!r}")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop import engine
 from pareprop.chunking import graph_bytes, linear_cost
+from pareprop.engine import chunked
 
 
 def test_graph_bytes_counts_maps_whose_storage_died_during_the_build():
@@ -54,7 +54,7 @@ def test_a_miscounted_measurement_is_an_error_not_a_whole_branch(monkeypatch):
     # What the CUDA run did: the two-unit graph measured no more than the one-unit graph. The
     # old fit turned that into one byte per unit, so the branch ran whole. Now it is refused.
     calls = iter([1000, 1000] * 10)
-    monkeypatch.setattr(engine, "graph_bytes", lambda build, free=(): next(calls))
+    monkeypatch.setattr(chunked, "graph_bytes", lambda build, free=(): next(calls))
     model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=1)
     pareprop.set_engine(model, "reversible")
     pareprop.set_chunking(model, max_bytes=2**20)

@@ -11,7 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
-from pareprop import engine as engine_module
+from pareprop.engine import chunked, schedules
 from pareprop.layers import recompute
 from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
@@ -80,13 +80,13 @@ def _model(family):
 def _spy_chunks(monkeypatch):
     """Record (size, count) of every chunked branch the engine runs."""
     seen = []
-    real = engine_module.chunks
+    real = chunked.chunks
 
     def spy(size, count):
         seen.append((size, count))
         return real(size, count)
 
-    monkeypatch.setattr(engine_module, "chunks", spy)
+    monkeypatch.setattr(chunked, "chunks", spy)
     return seen
 
 
@@ -192,19 +192,17 @@ def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
     # so it calls its branches' chunks as often as "reversible" does (the old chunked PaReprop
     # rebuilt each block once more: 22 calls against 12 on this model), holds what it holds,
     # and never creates lanes.
-    from pareprop import engine as engine_module
-
     calls = {}
     count_lanes = []
-    run_chunks = engine_module._run_chunks
-    monkeypatch.setattr(engine_module, "_Lanes",
+    run_chunks = chunked._run_chunks
+    monkeypatch.setattr(schedules, "_Lanes",
                         lambda *a, **k: count_lanes.append(1) or pytest.fail("lanes created"))
 
     def counting(plan, index, name, x, split, count, *args, **kwargs):
         calls[plan.engine] = calls.get(plan.engine, 0) + (count if split is not None else 1)
         return run_chunks(plan, index, name, x, split, count, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "_run_chunks", counting)
+    monkeypatch.setattr(chunked, "_run_chunks", counting)
     torch.manual_seed(0)
     model = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=32, depth=3,
                                   num_heads=4, num_classes=10)

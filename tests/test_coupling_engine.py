@@ -1,6 +1,6 @@
 """The scaled coupling Y1 = beta X1 + F(X2), Y2 = beta X2 + G(Y1) under every engine, in
 float64 against plain autograd, with alpha folded into F and G (F(x) = alpha x + H(x)) as
-pareprop.convert does (NOTE [ Skip scale of the coupling ] in pareprop/engine.py)."""
+pareprop.convert does (NOTE [ Skip scale of the coupling ] in pareprop/engine/block.py)."""
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 import pareprop
-from pareprop import engine as engine_module
+from pareprop.engine import lanes, replay, schedules
 from pareprop.testing import engine_errors, relative_error, worst_error
 
 TOL = 1e-10
@@ -68,7 +68,7 @@ def test_engines_match_autograd_with_dropout_and_drop_path(depth):
 def test_comparison_fails_when_replay_is_broken(monkeypatch):
     # If recomputation drew fresh dropout masks, the gradients would be wrong: check that the
     # comparison used everywhere notices.
-    monkeypatch.setattr(engine_module._RngState, "restore", lambda self, device: None)
+    monkeypatch.setattr(replay._RngState, "restore", lambda self, device: None)
     report = engine_errors(Model(3), torch.randn(3, 5, DIM), engines=("reversible",))
     assert worst_error(report)[2] > 1e-3
 
@@ -146,7 +146,7 @@ def test_activation_bytes_counts_a_storage_once_and_skips_parameters():
 
 def test_pareprop_schedule_overlaps_recover_and_grads(monkeypatch):
     events, alive = [], []
-    recover, grads = engine_module._recover, engine_module._grads
+    recover, grads = schedules._recover, schedules._grads
 
     def logged_recover(plan, index, *args):
         rebuilt = recover(plan, index, *args)
@@ -160,8 +160,8 @@ def test_pareprop_schedule_overlaps_recover_and_grads(monkeypatch):
         events.append(("grads", index))
         return grads(plan, index, *args)
 
-    monkeypatch.setattr(engine_module, "_recover", logged_recover)
-    monkeypatch.setattr(engine_module, "_grads", logged_grads)
+    monkeypatch.setattr(schedules, "_recover", logged_recover)
+    monkeypatch.setattr(schedules, "_grads", logged_grads)
     Model(4, engine="pareprop")(torch.randn(2, 3, DIM)).sum().backward()
     assert events == [
         ("recover", 3), ("recover", 2), ("grads", 3), ("recover", 1), ("grads", 2),
@@ -312,7 +312,7 @@ def test_empty_stack_and_wrong_block_type_are_rejected():
 
 def test_streams_are_not_created_at_construction():
     Model(2, engine="pareprop")
-    assert engine_module._SIDE_STREAMS == {}
+    assert lanes._SIDE_STREAMS == {}
 
 
 def test_autocast_state_is_replayed_in_recomputation():

@@ -13,6 +13,7 @@ import torch.nn as nn
 import pareprop
 from pareprop import engine as engine_module
 from pareprop import fsdp
+from pareprop.engine import lanes as lanes_module
 
 try:  # torch's test helper; registers the "fake" backend
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -91,7 +92,7 @@ def test_each_prefetch_is_issued_on_the_lane_that_waits_for_it(fake_world, monke
     model(x).sum().backward()
 
     index = {id(block): i for i, block in enumerate(model.stack.blocks)}
-    lanes = engine_module._block_lanes([i in stored for i in range(depth)])
+    lanes = lanes_module._block_lanes([i in stored for i in range(depth)])
     issued = {index[id(m)]: lane for kind, m, lane in log if kind == "prefetch"}
     waited = {index[id(m)]: lane for kind, m, lane in log if kind == "wait"}
     # Backward prefetches every block below the top one, and waits for each.
@@ -100,4 +101,4 @@ def test_each_prefetch_is_issued_on_the_lane_that_waits_for_it(fake_world, monke
         assert issued[block] == waited[block] == lanes[block], (
             f"block {block}: prefetch issued on lane {issued[block]}, waited for on lane "
             f"{waited[block]}, the block's lane is {lanes[block]}")
-    assert model.stack._sharding.prefetch_on is None  # handed back after backward
+    assert model.stack.sharding.prefetch_on is None  # handed back after backward

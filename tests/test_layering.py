@@ -56,6 +56,23 @@ def _module_names() -> Dict[str, pathlib.Path]:
 
 MODULES = _module_names()
 
+# Inside the engine package, one concern a module, in the order a reader meets them (lowest
+# first): each imports only modules before it here; the package's __init__ (last) names the
+# public surface.
+ENGINE_ORDER: List[str] = [
+    "pareprop.engine.block",  # ReversibleBlock, the skip scale
+    "pareprop.engine.replay",  # state captured in forward, replayed in recomputation
+    "pareprop.engine.plan",  # what forward leaves for backward
+    "pareprop.engine.forward",  # the coupling, every call of F and G checked
+    "pareprop.engine.rebuild",  # recover and grads of one block, stored blocks
+    "pareprop.engine.chunked",  # the same a chunk at a time, and the chunked forward
+    "pareprop.engine.lanes",  # PaReprop's two lanes and the parameter aliases on them
+    "pareprop.engine.schedules",  # Reprop's and PaReprop's order of recover and grads
+    "pareprop.engine.function",  # the autograd Function
+    "pareprop.engine.stack",  # ReversibleStack and the model-wide setters
+    "pareprop.engine",
+]
+
 
 def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
@@ -233,6 +250,20 @@ def test_no_function_local_import_of_pareprop():
         "import is for an optional or heavy third-party module only):\n" + "\n".join(local))
 
 
+def test_engine_modules_keep_their_order():
+    engine = sorted(m for m in MODULES if _unit(m) == "pareprop.engine")
+    assert engine == sorted(ENGINE_ORDER), (
+        "place every module of pareprop.engine in ENGINE_ORDER (tests/test_layering.py): "
+        f"unplaced {sorted(set(engine) - set(ENGINE_ORDER))}, "
+        f"gone {sorted(set(ENGINE_ORDER) - set(engine))}")
+    graph, _ = _imports()
+    rank = {m: i for i, m in enumerate(ENGINE_ORDER)}
+    upward = [f"{m} imports {t}" for m in ENGINE_ORDER for t in sorted(graph[m])
+              if t in rank and rank[t] >= rank[m]]
+    assert not upward, ("engine modules importing their own or a later module of "
+                        "ENGINE_ORDER:\n" + "\n".join(upward))
+
+
 def _unit(name: str) -> str:
     # A top-level module or package: pareprop.bench.measure -> pareprop.bench.
     return ".".join(name.split(".")[:2])
@@ -258,6 +289,37 @@ def test_no_import_of_another_packages_private_names():
                 if any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
                     found.append(f"{path.relative_to(SRC)}:{node.lineno} imports {name}")
     assert not found, "imports of another package's private names:\n" + "\n".join(found)
+
+
+def _engine_private_attributes() -> Set[str]:
+    # ``self._name = ...`` inside pareprop.engine: the state its objects keep to themselves.
+    names = set()
+    for module, path in MODULES.items():
+        if _unit(module) != "pareprop.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                names.add(node.attr)
+    return names
+
+
+def test_no_reach_into_the_engines_private_attributes():
+    # ``stack._sharding = ...`` in fsdp.py, ``block._skip_scale_value`` in coupling.py: what
+    # another package needs of a stack or a block is public (stack.sharding, stack.probe,
+    # skip_scale_value, debug_reconstruction(None)).
+    private = _engine_private_attributes()
+    assert "_debug_tolerance" in private  # the scan sees the stack's private state
+    found = []
+    for module, path in MODULES.items():
+        if _unit(module) == "pareprop.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} reaches {node.attr}")
+    assert not found, ("private attributes of the engine's objects used outside "
+                       "pareprop.engine:\n" + "\n".join(found))
 
 
 def test_the_guard_sees_a_circle_and_an_upward_import():

@@ -1,7 +1,7 @@
 """Models built in bfloat16 (``create_model(..., dtype=torch.bfloat16)``) run under bfloat16
 autocast with every engine, as timm's own models do, and the reversible engines' gradients are
 as close to a float64 reference as plain autograd's are (NOTE [ Streams in float32 under
-autocast ] in pareprop/engine.py)."""
+autocast ] in pareprop/engine/stack.py)."""
 
 import pytest
 import timm

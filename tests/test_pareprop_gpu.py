@@ -22,7 +22,8 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import fsdp
-from pareprop.engine import MAIN_LANE, SIDE_LANE, _block_lanes, _side_stream
+from pareprop.engine import MAIN_LANE, SIDE_LANE
+from pareprop.engine.lanes import _block_lanes, _side_stream
 from pareprop.testing import engine_errors, relative_error
 
 pytestmark = [
@@ -84,16 +85,16 @@ class Model(nn.Module):
 
 
 def test_lifetime_guard_keeps_memory_a_slowed_reader_still_needs():
-    # NOTE [ Tensor lifetimes across streams ] in engine.py. Blocks 2 and 3 are stored, so the
-    # lanes do not alternate strictly (asserted below): block 4 (side stream) hands its dY to
-    # grads(3) on the main stream, whose backward first sleeps, so it reads dY late. dY is freed
-    # on the host as soon as grads(3) is queued, back to the side stream's pool; the next work
-    # on the side stream is recover(1), whose F grabs every freed stream-sized block of that
-    # pool and fills it with NaN. Only recover(1)'s wait for grads(3) (recover(k) waits for
-    # grads(k+2)) keeps it from doing so while grads(3) sleeps. Without that wait the side
-    # stream runs recover(1) as soon as grads(4) is done, the NaN lands in dY's memory while
-    # grads(3) still sleeps, and grads(3) to grads(0), the input's gradient and every parameter
-    # gradient of blocks 0-3 come out NaN: the errors below are NaN, not < 1e-10.
+    # NOTE [ Tensor lifetimes across streams ] in engine/schedules.py. Blocks 2 and 3 are stored, so
+    # the lanes do not alternate strictly (asserted below): block 4 (side stream) hands its dY to
+    # grads(3) on the main stream, whose backward first sleeps, so it reads dY late. dY is freed on
+    # the host as soon as grads(3) is queued, back to the side stream's pool; the next work on the
+    # side stream is recover(1), whose F grabs every freed stream-sized block of that pool and fills
+    # it with NaN. Only recover(1)'s wait for grads(3) (recover(k) waits for grads(k+2)) keeps it
+    # from doing so while grads(3) sleeps. Without that wait the side stream runs recover(1) as soon
+    # as grads(4) is done, the NaN lands in dY's memory while grads(3) still sleeps, and grads(3) to
+    # grads(0), the input's gradient and every parameter gradient of blocks 0-3 come out NaN: the
+    # errors below are NaN, not < 1e-10.
     torch.manual_seed(0)
     dim = 32
     blocks = [Block(dim), Block(dim, poison=64), Block(dim, slow=True), Block(dim, slow=True),

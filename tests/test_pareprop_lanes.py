@@ -1,7 +1,7 @@
 """PaReprop's lanes on the CPU: which lane each block's steps are queued on, the events each step
 waits for, the parameter aliases of recomputed blocks, and the fallback to Reprop driven by an
 injected clock. On the CPU both lanes run in program order, but the bookkeeping is the same
-code as on a GPU (NOTE [ PaReprop on two CUDA streams ] in engine.py)."""
+code as on a GPU (NOTE [ PaReprop on two CUDA streams ] in engine/schedules.py)."""
 
 import copy
 import logging
@@ -13,7 +13,9 @@ import torch.nn as nn
 import pareprop
 from pareprop import engine as engine_module
 from pareprop import schedule as schedule_module
-from pareprop.engine import MAIN_LANE, SIDE_LANE, _block_lanes
+from pareprop.engine import MAIN_LANE, SIDE_LANE, function, schedules
+from pareprop.engine import lanes as lanes_module
+from pareprop.engine.lanes import _block_lanes
 from pareprop.testing import relative_error
 
 DIM = 6
@@ -96,7 +98,7 @@ def _trace_schedule(monkeypatch, model, x):
     """Runs one step, logging every recover / grads with its lane, every event marked and every
     wait: the events are named after the step queued just before the mark."""
     log = []
-    recover, grads = engine_module._recover, engine_module._grads
+    recover, grads = schedules._recover, schedules._grads
 
     def logged_recover(plan, index, *args):
         log.append(("recover", index, engine_module.current_lane()))
@@ -113,10 +115,10 @@ def _trace_schedule(monkeypatch, model, x):
         if event is not None:
             log.append(("wait", block_index, event))
 
-    monkeypatch.setattr(engine_module, "_recover", logged_recover)
-    monkeypatch.setattr(engine_module, "_grads", logged_grads)
-    monkeypatch.setattr(engine_module._Lanes, "mark", mark)
-    monkeypatch.setattr(engine_module._Lanes, "wait", wait)
+    monkeypatch.setattr(schedules, "_recover", logged_recover)
+    monkeypatch.setattr(schedules, "_grads", logged_grads)
+    monkeypatch.setattr(lanes_module._Lanes, "mark", mark)
+    monkeypatch.setattr(lanes_module._Lanes, "wait", wait)
     model(x).pow(2).sum().backward()
     return log
 
@@ -178,7 +180,7 @@ def test_recomputed_blocks_differentiate_parameter_aliases(monkeypatch, stored):
     real = {id(p) for p in model.parameters()}
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     checked = []
-    grads = engine_module._grads
+    grads = schedules._grads
 
     def checking_grads(plan, index, rebuilt, *args):
         leaves = [v for out in (rebuilt.f_out, rebuilt.g_out)
@@ -192,7 +194,7 @@ def test_recomputed_blocks_differentiate_parameter_aliases(monkeypatch, stored):
         checked.append(index)
         return grads(plan, index, rebuilt, *args)
 
-    monkeypatch.setattr(engine_module, "_grads", checking_grads)
+    monkeypatch.setattr(schedules, "_grads", checking_grads)
     x = torch.randn(2, 3, DIM)
     model(x).pow(2).sum().backward()
     assert checked == [2, 1, 0]
@@ -239,8 +241,8 @@ class FakeClock:
 def clock(monkeypatch, request):
     fake = FakeClock(*request.param)
     monkeypatch.setattr(schedule_module, "clock_for", lambda device: fake)
-    pareprop_backward = engine_module._backward_pareprop
-    in_order = engine_module._backward_in_order
+    pareprop_backward = function._backward_pareprop
+    in_order = function._backward_in_order
 
     def timed_pareprop(*args):
         fake.run("pareprop")
@@ -250,8 +252,8 @@ def clock(monkeypatch, request):
         fake.run("reversible")
         return in_order(*args)
 
-    monkeypatch.setattr(engine_module, "_backward_pareprop", timed_pareprop)
-    monkeypatch.setattr(engine_module, "_backward_in_order", timed_in_order)
+    monkeypatch.setattr(function, "_backward_pareprop", timed_pareprop)
+    monkeypatch.setattr(function, "_backward_in_order", timed_in_order)
     return fake
 
 

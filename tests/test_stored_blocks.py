@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pareprop
-from pareprop import engine as engine_module
+from pareprop.engine import function, schedules
 from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, MixerBlock, Model
 
@@ -116,7 +116,7 @@ def test_activation_bytes_rise_with_every_stored_block_from_reversible_to_autogr
 
 def test_pareprop_schedule_with_stored_blocks(monkeypatch):
     events, alive = [], []
-    recover, grads = engine_module._recover, engine_module._grads
+    recover, grads = schedules._recover, schedules._grads
 
     def logged_recover(plan, index, *args):
         rebuilt = recover(plan, index, *args)
@@ -129,8 +129,8 @@ def test_pareprop_schedule_with_stored_blocks(monkeypatch):
         events.append(("grads", index, plan.stored[index]))
         return grads(plan, index, *args)
 
-    monkeypatch.setattr(engine_module, "_recover", logged_recover)
-    monkeypatch.setattr(engine_module, "_grads", logged_grads)
+    monkeypatch.setattr(schedules, "_recover", logged_recover)
+    monkeypatch.setattr(schedules, "_grads", logged_grads)
     model = Model(4, engine="pareprop")
     model.stack.store_blocks([1, 3])
     model(torch.randn(2, 3, DIM)).sum().backward()
@@ -143,14 +143,14 @@ def test_pareprop_schedule_with_stored_blocks(monkeypatch):
 @pytest.mark.parametrize("name", ENGINES)
 def test_stored_graphs_are_freed_by_backward(name, monkeypatch):
     refs = []
-    store = engine_module._store
+    store = function._store
 
     def logged_store(*args):
         rebuilt = store(*args)
         refs.append(weakref.ref(rebuilt.g_out))
         return rebuilt
 
-    monkeypatch.setattr(engine_module, "_store", logged_store)
+    monkeypatch.setattr(function, "_store", logged_store)
     model = Model(3, engine=name)
     model.stack.store_blocks([0, 2])
     out = model(torch.randn(2, 3, DIM))

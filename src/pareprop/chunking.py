@@ -25,8 +25,8 @@ rebuild and differentiate a branch a piece at a time.
 # of the whole draw is theirs); the engine alone decides how many chunks, rebuilds each chunk's
 # graph, reconstructs the stream from it, backpropagates and frees the graph before the next
 # chunk is built, adding the chunks' parameter gradients (NOTE [ Chunked backward ] in
-# engine.py). The chunks' outputs are slices of the whole branch's output, so gradients equal
-# the whole branch's up to the order of the parameter gradients' sums (float64 tests agree
+# engine/chunked.py). The chunks' outputs are slices of the whole branch's output, so gradients
+# equal the whole branch's up to the order of the parameter gradients' sums (float64 tests agree
 # with plain autograd to 1e-10).
 #
 # NOTE [ Exact randomness in chunks ]

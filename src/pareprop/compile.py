@@ -38,7 +38,7 @@ _RECOMPILE_LIMIT = 32
 #
 # NOTE [ Compiled randomness in recomputation ]
 # The engines replay dropout and drop-path by restoring the global generator state before each
-# F and G (NOTE [ Exact replay of randomness ] in engine.py). Inductor's own random kernels
+# F and G (NOTE [ Exact replay of randomness ] in engine/replay.py). Inductor's own random kernels
 # draw their seeds from the global generator too, but not as eager does, so a compiled F would
 # not draw eager's masks. compile_blocks therefore passes inductor's ``fallback_random=True``
 # (scoped to these compiles through ``options``), so compiled dropout calls the same aten

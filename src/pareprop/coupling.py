@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack
+from pareprop.engine import ReversibleStack, skip_scale_value
 
 __all__ = ["SCHEDULES", "CouplingSchedule", "coupling_of", "set_coupling"]
 
@@ -70,7 +70,7 @@ def set_coupling(model: nn.Module, alpha: float, beta: float) -> nn.Module:
 def coupling_of(model: nn.Module) -> Tuple[float, float]:
     """(alpha, beta) of the first converted block of ``model``."""
     block = _coupled_blocks(model)[0][1][0]
-    return block._alpha_value, block._skip_scale_value
+    return block._alpha_value, skip_scale_value(block)
 
 
 class CouplingSchedule:

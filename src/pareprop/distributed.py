@@ -179,7 +179,7 @@ def check_wrapping(model: nn.Module) -> None:
             continue
         # Blocks sharded by pareprop.fsdp.shard are gathered by the engine itself (NOTE
         # [ FSDP2 and reversible blocks ] in pareprop/fsdp.py); any other wrapper is bypassed.
-        sharded = {id(b) for b in stack.blocks} if stack._sharding is not None else set()
+        sharded = {id(b) for b in stack.blocks} if stack.sharding is not None else set()
         for sub_name, sub in stack.named_modules():
             if sub is stack or id(sub) in sharded or not is_wrapper(sub):
                 continue

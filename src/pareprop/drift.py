@@ -225,7 +225,7 @@ def drift_report(
                 report.grad_error[engine] = _total_grad_error(grads, reference)
     finally:
         for _, stack in _stacks(model):
-            stack._debug_tolerance = None
+            stack.debug_reconstruction(None)
             stack.set_engine(original_engine)
         model.train(was_training)
         model.zero_grad(set_to_none=True)

@@ -56,7 +56,7 @@ NOTE [ FSDP prefetch on the waiting lane ]
     copy-in, all-gather wait and copy-out all on one stream, whose later work runs after them.
     That lane first waits for the current one (where recover(l) has just waited for the step
     before it), so the buffer it allocates is ordered like recover's own allocations (NOTE
-    [ Tensor lifetimes across streams ] in engine.py); that wait costs nothing, since the
+    [ Tensor lifetimes across streams ] in engine/schedules.py); that wait costs nothing, since the
     lower lane's next work, grads(l+1), waits for the same events anyway. The prefetch still
     overlaps: its copy-in is a small kernel queued on the lower lane before grads(l+1), and the
     all-gather itself runs on the process group's own stream, alongside recover(l) and
@@ -252,7 +252,7 @@ def shard(
             if not isinstance(block, ReversibleBlock):
                 raise TypeError(f"expected ReversibleBlock units, got {type(block).__name__}")
             fully_shard(block, **kwargs)
-        stack._sharding = _BlockSharding(blocks, bool(reshard_after_forward))
+        stack.sharding = _BlockSharding(blocks, bool(reshard_after_forward))
     for unit in _units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)

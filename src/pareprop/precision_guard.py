@@ -9,11 +9,11 @@ threshold: on the current training batch (the stack's own inputs, under the call
 it runs the stack forward without a graph, then rebuilds block inputs from the top with the
 engines' own arithmetic, and compares each rebuilt input with the real one (relative error, as
 the drift report and debug_reconstruction do). Walking down, a block whose rebuilt inputs are
-off by more than ``tolerance`` is stored instead (NOTE [ Stored blocks ] in engine.py): it keeps
-its graph from forward, its gradients are exact, and the chain below it restarts from its exact
-inputs. What a stored block's gradients read are its forward inputs; what a rebuilt block's
-gradients read are the rebuilt inputs of the block above, so the check covers every input a
-gradient reads (the first block's X1 is rebuilt but read by nobody, and not checked).
+off by more than ``tolerance`` is stored instead (NOTE [ Stored blocks ] in engine/rebuild.py): it
+keeps its graph from forward, its gradients are exact, and the chain below it restarts from its
+exact inputs. What a stored block's gradients read are its forward inputs; what a rebuilt block's
+gradients read are the rebuilt inputs of the block above, so the check covers every input a gradient
+reads (the first block's X1 is rebuilt but read by nobody, and not checked).
 
 Randomness is off for the measurement (dropout masks are noise here, not rounding), and the
 generators are forked, so a guarded step draws exactly what an unguarded step draws. The
@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack, skip_scale
+from pareprop.engine import ReversibleStack, skip_scale, skip_scale_value
 
 __all__ = ["GuardReport", "PrecisionGuard", "measure_rebuild_errors"]
 
@@ -76,16 +76,12 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _streams(x1: Tensor, x2: Tensor) -> Tuple[Tensor, Tensor]:
-    # As the stack does (NOTE [ Streams in float32 under autocast ] in engine.py): low-precision
-    # streams are widened under autocast.
+    # As the stack does (NOTE [ Streams in float32 under autocast ] in engine/stack.py):
+    # low-precision streams are widened under autocast.
     x1, x2 = x1.detach(), x2.detach()
     if x1.dtype in (torch.float16, torch.bfloat16) and _autocast_dtype(x1.device.type):
         return x1.float(), x2.float()
     return x1, x2
-
-
-def _beta_value(block: nn.Module) -> float:
-    return getattr(block, "_skip_scale_value", 1.0) if skip_scale(block) is not None else 1.0
 
 
 def measure_rebuild_errors(
@@ -112,7 +108,7 @@ def measure_rebuild_errors(
             y1, y2 = x1, x2
             for index in reversed(range(len(blocks))):
                 block, beta = blocks[index], skip_scale(blocks[index])
-                if _beta_value(block) == 0.0:
+                if skip_scale_value(block) == 0.0:
                     error = math.inf
                 else:
                     # the engines' inversion: X2 = (Y2 - G(Y1)) / beta, X1 = (Y1 - F(X2)) / beta
@@ -166,7 +162,7 @@ class GuardReport:
 
 def _coupling_of(stack: ReversibleStack) -> Tuple[float, float]:
     block = stack.blocks[0]
-    return getattr(block, "_alpha_value", 1.0), _beta_value(block)
+    return getattr(block, "_alpha_value", 1.0), skip_scale_value(block)
 
 
 class _Hook:
@@ -250,7 +246,7 @@ class PrecisionGuard:
         self._steps[index] += 1
         if not self._due(index, stack):
             return
-        if stack._sharding is not None:
+        if stack.sharding is not None:
             raise RuntimeError(
                 "the precision guard cannot measure an FSDP-sharded stack (its blocks' "
                 "parameters are gathered only inside their own forward); build the model "

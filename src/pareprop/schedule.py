@@ -4,9 +4,10 @@ NOTE [ PaReprop's fallback to Reprop ]
     PaReprop overlaps rebuilding block l-1 with block l's gradients on a second CUDA stream.
     Whether that pays depends on the GPU, the model and the batch: at large batches one block's
     kernels already fill the device, and the second stream's allocator pool (NOTE [ PaReprop on
-    two CUDA streams ] in engine.py) can push a step near capacity into the caching allocator's
-    out-of-memory retry (free the cache with a device sync, allocate again). So each stack under
-    "pareprop" measures both schedules on its first backward passes and keeps the faster:
+    two CUDA streams ] in engine/schedules.py) can push a step near capacity into the caching
+    allocator's out-of-memory retry (free the cache with a device sync, allocate again). So each
+    stack under "pareprop" measures both schedules on its first backward passes and keeps the
+    faster:
 
     * passes 1-2 run PaReprop, then Reprop, untimed (streams, allocator pools, kernel caches);
     * passes 3-8 alternate the two, each timed by CUDA events on the main stream around the

@@ -158,7 +158,7 @@ def _settings(model: nn.Module, engines: Dict[str, str], stored: Dict[str, Seque
     finally:
         for (_, stack), (engine, kept) in zip(stacks, before):
             stack.set_engine(engine).store_blocks(kept)
-            stack._probe = None
+            stack.probe = None
         model.train(was_training)
 
 
@@ -216,7 +216,7 @@ def _measure_blocks(
 
     alive: List[torch.Tensor] = []
     for name, stack in stacks:
-        stack._probe = make_probe(name)
+        stack.probe = make_probe(name)
     for run in range(repeats + 1):  # the first run warms up and is not timed
         counting[0] = run == 1
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

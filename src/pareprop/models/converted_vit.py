@@ -14,7 +14,7 @@ the stack holds (X1, X2) = (z_{2k-2}, z_{2k-1}) and computes
     Y2 = beta * X2 + G(Y1),  G(y) = alpha * y + H_{2k}(y)      (MLP branch)
 
 so alpha lives in the blocks and the engines see a coupling with skip scale beta (NOTE
-[ Skip scale of the coupling ] in pareprop/engine.py). The stack starts from (x, x) and the
+[ Skip scale of the coupling ] in pareprop/engine/block.py). The stack starts from (x, x) and the
 head reads Y2 of the last block, z_{2L+1}: timm's final norm, pooling and head stay valid.
 """
 

@@ -307,7 +307,8 @@ class _TextModel(ClassifierMixin, nn.Module):
             raise ValueError("expected attention_mask values 0 (padding) and 1 (real tokens)")
         # A copy, never the caller's tensor (.bool() of a bool tensor is the tensor itself): the
         # reversible engines reuse the mask in backward, and a caller may refill its buffer for
-        # the next batch before that (NOTE [ Keyword tensors in recomputation ] in engine.py).
+        # the next batch before that (NOTE [ Keyword tensors in recomputation ] in
+        # engine/replay.py).
         mask = attention_mask.to(torch.bool, copy=True)
         if not bool(mask.any(dim=1).all()):
             raise ValueError("expected at least one real token (mask 1) in every sequence")

@@ -1,0 +1,435 @@
+"""ReversibleStack, a sequence of reversible blocks run by one of three engines, and the
+functions that set an engine, chunking, checkpointing or a debug check on every stack inside a
+model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from pareprop.chunking import Chunking, parse_chunking
+from pareprop.engine.block import ReversibleBlock, skip_scale
+from pareprop.engine.forward import _couple
+from pareprop.engine.function import _ReversibleFunction
+from pareprop.engine.plan import _block_params, _ParamLocation, _Plan
+from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendState, _KeywordVersions
+from pareprop.schedule import ScheduleChoice
+
+ENGINES = ("autograd", "reversible", "pareprop")
+
+Tensor = torch.Tensor
+
+
+def _check_engine(name: str) -> str:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")
+    return name
+
+
+def _running_stat_modules(blocks: Iterable[nn.Module]) -> List[str]:
+    found = []
+    for i, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+                found.append(f"blocks.{i}.{name}" if name else f"blocks.{i}")
+    return found
+
+
+class ReversibleStack(nn.Module):
+    """A sequence of reversible blocks run by one of three backward engines.
+
+    Args:
+        blocks: the :class:`ReversibleBlock` instances, applied in order.
+        engine: ``"autograd"``, ``"reversible"`` or ``"pareprop"``.
+        stored_blocks: indices of blocks that keep their activations from forward (as under
+            autograd) instead of being recomputed by the reversible engines; see
+            :meth:`store_blocks`.
+
+    ``forward(x1, x2, **kwargs)`` returns ``(y1, y2)``; keyword arguments reach every block's
+    ``f`` and ``g`` in forward and in recomputation alike. They are constants: a tensor passed
+    there must not require grad. In eval mode, under ``torch.no_grad()``, or when nothing
+    requires grad, the stack runs its blocks plainly, whatever the engine.
+    """
+
+    def __init__(
+        self,
+        blocks: Iterable[ReversibleBlock],
+        engine: str = "reversible",
+        stored_blocks: Iterable[int] = (),
+    ):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        if len(self.blocks) == 0:
+            raise ValueError("a ReversibleStack needs at least one block, got none")
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(
+                    f"block {i} is a {type(block).__name__}; expected a ReversibleBlock "
+                    "subclass that defines f and g"
+                )
+        self.engine = "autograd"
+        # Under "pareprop": PaReprop or Reprop, measured on the first backward passes.
+        self._schedule = ScheduleChoice(
+            f"a ReversibleStack of {len(self.blocks)} {type(self.blocks[0]).__name__} blocks")
+        self.set_engine(engine)
+        self._debug_tolerance: Optional[float] = None
+        self.last_reconstruction_errors: List[Tuple[float, float]] = []
+        self.stored_blocks: Tuple[int, ...] = ()
+        self.store_blocks(stored_blocks)
+        # Called around each stored block's forward (block index, its X1) -> a context; set
+        # only while pareprop.memory.budget measures blocks.
+        self.probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
+        # Set by pareprop.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
+        # reversible blocks ] in pareprop/fsdp.py); None: the stack is not sharded.
+        self.sharding: Optional[Any] = None
+        self.chunking: Optional[Chunking] = None
+        # Measured chunk costs for chunking by bytes (not state: they depend on the input).
+        self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
+        # Under autograd: each block in torch.utils.checkpoint (see set_block_checkpointing).
+        self.checkpoint_blocks = False
+
+    def set_engine(self, name: str, fallback: Optional[bool] = None) -> "ReversibleStack":
+        """Run backward with engine ``name``. Under ``"pareprop"`` the stack measures PaReprop
+        against Reprop on its first backward passes on a GPU and keeps the faster
+        (:func:`chosen_schedule`); ``fallback=False`` always runs PaReprop, True measures
+        again, None (the default) keeps the setting. Setting an engine measures again."""
+        _check_engine(name)
+        if fallback is not None:
+            self._schedule.enabled = bool(fallback)
+        self._schedule.reset()
+        if name != "autograd":
+            found = _running_stat_modules(self.blocks)
+            if found:
+                raise ValueError(
+                    f"engine {name!r} recomputes F and G, which would update the running "
+                    f"statistics of {', '.join(found)} twice; use LayerNorm/GroupNorm, "
+                    "track_running_stats=False, or engine='autograd'"
+                )
+        self.engine = name
+        return self
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        return super()._apply(fn, recurse)
+
+    def store_blocks(self, indices: Iterable[int]) -> "ReversibleStack":
+        """Keep the activations of the blocks at ``indices`` (negative counts from the end);
+        recompute the others. Any subset works under every engine, with exact gradients; the
+        memory kept grows by each stored block's activations and the step saves its
+        recomputation. ``store_blocks([])`` recomputes every block again. Under ``autograd``
+        every block is stored anyway. :func:`pareprop.set_memory_budget` chooses the subset."""
+        depth = len(self.blocks)
+        chosen = set()
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"block indices must be integers, got {i!r}")
+            if not -depth <= i < depth:
+                raise IndexError(f"block index {i} out of range for a stack of {depth} blocks")
+            chosen.add(i % depth)
+        if tuple(sorted(chosen)) != getattr(self, "stored_blocks", ()):
+            self._schedule.reset()  # stored blocks change what PaReprop overlaps
+        self.stored_blocks = tuple(sorted(chosen))
+        return self
+
+    def set_chunking(
+        self, *, chunks: Optional[int] = None, max_bytes: Union[int, str, None] = None
+    ) -> "ReversibleStack":
+        """Rebuild and differentiate the recomputed blocks' branches in chunks, under the
+        reversible engines: ``chunks`` per branch (at most the split's size), or the fewest
+        chunks whose graph saves at most ``max_bytes`` (bytes or "64MiB"; measured once per
+        block and input shape). A branch whose split is None for its input runs whole; a block
+        whose class declares neither ``f_split`` nor ``g_split`` is refused, named (chunking
+        would leave it as it is). With neither argument every branch runs whole again.
+        Gradients are unchanged; see NOTE [ Chunked backward ] in chunked.py. The same
+        keywords as :func:`pareprop.set_chunking`."""
+        chunking = parse_chunking(chunks, max_bytes)
+        if chunking is not None:
+            _check_splits(self)
+        # The measured chunk costs stay: they depend on the blocks and the input, not on this.
+        self.chunking = chunking
+        return self
+
+    def debug_reconstruction(self, tolerance: Optional[float] = 1e-3) -> "ReversibleStack":
+        """For the next training step only: keep the forward's block inputs and warn, naming
+        the block, when a rebuilt input differs from them by more than ``tolerance`` (relative
+        error). The errors are left in ``last_reconstruction_errors`` as (X1, X2) per block.
+        ``None`` disarms a check that no step has used yet."""
+        self._debug_tolerance = None if tolerance is None else float(tolerance)
+        return self
+
+    def extra_repr(self) -> str:
+        stored = f", stored_blocks={list(self.stored_blocks)}" if self.stored_blocks else ""
+        chunking = "" if self.chunking is None else (
+            f", chunks={self.chunking.count}" if self.chunking.count is not None
+            else f", chunk_bytes={self.chunking.max_bytes}")
+        ckpt = ", checkpoint_blocks=True" if self.checkpoint_blocks else ""
+        return f"engine={self.engine!r}{stored}{chunking}{ckpt}"
+
+    def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        _check_streams(x1, x2)
+        _check_constants(kwargs)
+        x1, x2 = _full_precision_streams(x1, x2, self.blocks)
+        if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
+            # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
+            # backward hooks), as for any FSDP unit.
+            run = _call_block if self.sharding is not None else _couple
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                for block in self.blocks:
+                    x1, x2 = checkpoint(run, block, x1, x2, kwargs, use_reentrant=False)
+                return x1, x2
+            for block in self.blocks:
+                x1, x2 = run(block, x1, x2, kwargs)
+            return x1, x2
+        return self._forward_reversible(x1, x2, **kwargs)
+
+    # NOTE [ Whole-model torch.compile ]
+    # The reversible path captures generator states and runs an autograd Function whose
+    # backward walks the blocks: nothing Dynamo should trace. So torch.compile(model) breaks
+    # the graph here, at the stack's boundary, and the stack runs its blocks' own f and g
+    # (compiled ones after pareprop.compile_blocks). See docs/compile.md.
+    @torch.compiler.disable
+    def _forward_reversible(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        params, block_params, block_locations = self._trainable_params()
+        if self.sharding is not None:
+            self.sharding.check_inputs(x1, x2)
+        elif not (x1.requires_grad or x2.requires_grad or params):
+            with torch.no_grad():
+                return self.forward(x1, x2, **kwargs)
+        tolerance, self._debug_tolerance = self._debug_tolerance, None
+        stored = [i in self.stored_blocks for i in range(len(self.blocks))]
+        plan = _Plan(
+            blocks=list(self.blocks),
+            engine=self.engine,
+            kwargs=kwargs,
+            block_params=block_params,
+            block_locations=block_locations,
+            num_params=len(params),
+            device=x1.device,
+            autocast=_AutocastState.capture(x1.device),
+            backends=_BackendState.capture(),
+            keywords=_KeywordVersions.capture(kwargs),
+            stored=stored,
+            betas=_forward_betas(self.blocks, stored),
+            debug_tolerance=tolerance,
+            probe=self.probe,
+            sharding=self.sharding,
+            chunking=self.chunking,
+            chunk_costs=self._chunk_costs,
+            schedule=self._schedule,
+        )
+        # Backward fills the plan's list in place, so the stack sees the errors when it ends.
+        self.last_reconstruction_errors = plan.reconstruction_errors
+        return _ReversibleFunction.apply(plan, x1, x2, *params)
+
+    def _trainable_params(self):
+        params: List[Tensor] = []
+        slots: Dict[int, int] = {}
+        block_params: List[List[Tuple[int, Tensor]]] = []
+        block_locations: List[List[_ParamLocation]] = []
+        for block in self.blocks:
+            if self.sharding is not None:  # gathered and listed in forward, block by block
+                block_params.append([])
+                block_locations.append([])
+                continue
+            owned, locations = _block_params(block, params, slots)
+            block_params.append(owned)
+            block_locations.append(locations)
+        return params, block_params, block_locations
+
+
+def _forward_betas(blocks: Sequence[nn.Module], stored: Sequence[bool]):
+    betas = []
+    for index, block in enumerate(blocks):
+        beta = skip_scale(block)
+        zero = getattr(block, "_skip_scale_value", 1.0) == 0.0
+        if beta is not None and not stored[index] and zero:
+            raise ValueError(
+                f"block {index} ({type(block).__name__}) has skip scale beta = 0, which the "
+                "reversible engines cannot invert (they divide by beta); store the block "
+                "(stack.store_blocks, or pareprop.PrecisionGuard) or use engine='autograd'"
+            )
+        betas.append(None if beta is None else (beta, beta._version))
+    return betas
+
+
+def _check_streams(x1: Tensor, x2: Tensor) -> None:
+    if not (isinstance(x1, Tensor) and isinstance(x2, Tensor)):
+        raise TypeError(
+            f"expected two tensors x1, x2, got {type(x1).__name__} and {type(x2).__name__}"
+        )
+    if x1.shape != x2.shape:
+        raise ValueError(
+            f"the two streams must have the same shape, got {tuple(x1.shape)} and "
+            f"{tuple(x2.shape)}"
+        )
+    if x1.dtype != x2.dtype or x1.device != x2.device:
+        raise ValueError(
+            "the two streams must share dtype and device, got "
+            f"{x1.dtype} on {x1.device} and {x2.dtype} on {x2.device}"
+        )
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _full_precision_streams(
+    x1: Tensor, x2: Tensor, blocks: Iterable[nn.Module]
+) -> Tuple[Tensor, Tensor]:
+    # NOTE [ Streams in float32 under autocast ]
+    # Inversion subtracts F and G from the streams; rounding the streams themselves to 8 bits
+    # of mantissa would lose far more than F and G's own low precision. So under autocast the
+    # streams are float32 (the sums X + F(X) promote to it) while F and G compute in the
+    # autocast dtype. An input that arrives in low precision (from a conv or linear under
+    # autocast) is widened here. Not when the weights themselves are in low precision
+    # (create_model(..., dtype=torch.bfloat16)): the norms would then meet float32 inputs with
+    # bfloat16 weights, which CPU kernels refuse, and such a model is low precision throughout
+    # anyway, so its streams stay in the weights' dtype, as in timm's models.
+    if x1.dtype in _LOW_PRECISION and _autocast_state(x1.device.type)[0]:
+        weight = next((p for b in blocks for p in b.parameters() if p.is_floating_point()), None)
+        if weight is None or weight.dtype not in _LOW_PRECISION:
+            return x1.float(), x2.float()
+    return x1, x2
+
+
+def _check_constants(kwargs: Dict[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor) and value.requires_grad:
+            raise ValueError(
+                f"keyword input {key!r} requires grad, but keyword inputs of a "
+                "ReversibleStack are constants; pass it detached, or make it a stream"
+            )
+
+
+def set_engine(module: nn.Module, name: str, fallback: Optional[bool] = None) -> nn.Module:
+    """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``.
+
+    ``"auto"`` (the blocks that fit a memory budget stored, the rest recomputed) is chosen
+    above the engine, by :func:`pareprop.set_engine` (:mod:`pareprop.memory.budget`).
+    ``fallback`` (engine ``"pareprop"``): False always runs PaReprop, True lets each stack keep
+    Reprop where it measures faster (the default; NOTE [ PaReprop's fallback to Reprop ] in
+    pareprop/schedule.py); None keeps each stack's setting.
+    """
+    if name == "auto":
+        raise ValueError(
+            "engine 'auto' is chosen by a memory budget: call pareprop.set_engine(model, 'auto', "
+            "memory_budget=..., example_inputs=...) or pareprop.set_memory_budget"
+        )
+    _check_engine(name)
+    if fallback is not None and not isinstance(fallback, bool):
+        raise TypeError(f"fallback must be True, False or None, got {fallback!r}")
+    for path, m in module.named_modules():
+        if isinstance(m, ReversibleStack):
+            m.set_engine(name, fallback)
+            m._schedule.label = _stack_label(path, m)
+    return module
+
+
+def _stack_label(path: str, stack: ReversibleStack) -> str:
+    return (f"stack {path or '(the model)'} ({len(stack.blocks)} "
+            f"{type(stack.blocks[0]).__name__} blocks)")
+
+
+def chosen_schedule(module: nn.Module) -> Optional[str]:
+    """What the stacks under engine ``"pareprop"`` inside ``module`` run in backward.
+
+    Returns:
+        ``"pareprop"`` or ``"reversible"`` when every such stack has settled on it (on the CPU,
+        and with ``fallback=False``, ``"pareprop"`` at once); ``"measuring"`` while any of them
+        still times both schedules on a GPU (NOTE [ PaReprop's fallback to Reprop ] in
+        pareprop/schedule.py); ``"mixed"`` when they settled differently; None when no stack
+        uses engine ``"pareprop"``.
+    """
+    states = {state for state, _ in schedule_reasons(module).values()}
+    if not states:
+        return None
+    if "measuring" in states:
+        return "measuring"
+    return states.pop() if len(states) == 1 else "mixed"
+
+
+def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
+    """For each stack under engine ``"pareprop"`` inside ``module`` (by its path): what it runs
+    in backward (as :func:`chosen_schedule` says) and why, in a line."""
+    reasons = {}
+    for path, m in module.named_modules():
+        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
+            if m.chunking is not None:
+                reasons[path] = ("reversible", "chunked branches run Reprop's schedule: chunking "
+                                 "is for memory, PaReprop for idle device time (NOTE [ Chunking "
+                                 "runs Reprop ])")
+                continue
+            device = next((p.device for p in m.parameters()), torch.device("cpu"))
+            m._schedule.label = _stack_label(path, m)
+            reasons[path] = (m._schedule.state(device), m._schedule.reason(device))
+    return reasons
+
+
+def _call_block(
+    block: ReversibleBlock, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]
+) -> Tuple[Tensor, Tensor]:
+    return block(x1, x2, **kwargs)
+
+
+# NOTE [ Checkpointed blocks: the competitor ]
+# What users run instead of a reversible engine is activation checkpointing: timm's
+# set_grad_checkpointing() puts each block in torch.utils.checkpoint (non-reentrant), so a
+# block keeps only its input and runs again in backward. set_block_checkpointing does the
+# same for a stack's blocks under the autograd engine, so that the benchmark and the planner
+# measure the same model, blocks and kernels under both methods (pareprop.catalog's mode
+# "checkpointed"). The reversible engines ignore it: they keep nothing of their blocks anyway.
+# RNG and autocast replay are torch.utils.checkpoint's own.
+def set_block_checkpointing(module: nn.Module, enable: bool = True) -> nn.Module:
+    """Under the ``autograd`` engine, run each block of every :class:`ReversibleStack`
+    inside ``module`` in ``torch.utils.checkpoint`` (non-reentrant), as timm's
+    ``set_grad_checkpointing()`` does for its blocks; see NOTE [ Checkpointed blocks: the
+    competitor ]. Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.checkpoint_blocks = bool(enable)
+    return module
+
+
+def set_chunking(
+    module: nn.Module, *, chunks: Optional[int] = None, max_bytes: Union[int, str, None] = None
+) -> nn.Module:
+    """Chunk the branches of every :class:`ReversibleStack` inside ``module`` in backward
+    (:meth:`ReversibleStack.set_chunking`, the same keywords): the fewest chunks whose graph
+    saves at most ``max_bytes``, or ``chunks`` per branch; neither turns chunking off. Returns
+    ``module``."""
+    # Checked once, before any stack changes.
+    if parse_chunking(chunks, max_bytes) is not None:
+        for path, m in module.named_modules():
+            if isinstance(m, ReversibleStack):
+                _check_splits(m, path)
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.set_chunking(chunks=chunks, max_bytes=max_bytes)
+    return module
+
+
+def _check_splits(stack: ReversibleStack, path: str = "") -> None:
+    """Refuse chunking for a stack with a block that declares no split: chunking would leave
+    it whole, and a chunk size would promise memory it does not save."""
+    for i, block in enumerate(stack.blocks):
+        cls = type(block)
+        if cls.f_split is ReversibleBlock.f_split and cls.g_split is ReversibleBlock.g_split:
+            where = f"{path}.blocks.{i}" if path else f"block {i}"
+            raise ValueError(
+                f"{where} ({cls.__name__}) declares no split (f_split / g_split), so chunking "
+                "would leave it whole and save nothing; define f_split and f_chunk (or g_split "
+                "and g_chunk; NOTE [ Chunked branches ] in pareprop/chunking.py), or leave "
+                "chunking off"
+            )
+
+
+def debug_reconstruction(module: nn.Module, tolerance: float = 1e-3) -> nn.Module:
+    """Arm :meth:`ReversibleStack.debug_reconstruction` on every stack inside ``module``."""
+    for m in module.modules():
+        if isinstance(m, ReversibleStack):
+            m.debug_reconstruction(tolerance)
+    return module
