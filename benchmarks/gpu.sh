@@ -53,11 +53,12 @@ if ((DRY)); then
   TOTAL=${GPU_SH_TOTAL_S:-380}
   PLAN=([largest]=80 [small]=120 [profile]=50 [tests]=40 [controls]=80)
   DEVICE=(--device cpu)
-  # A cap the tiny models fill at a few dozen images; the planned batches come from
-  # `python benchmarks/real_largest_batch.py --device cpu --cap 48MiB --img-size 32 ... plan`.
-  LARGEST=(--cap 48MiB --img-size 32 --steps 3
-           --case rev_vit_tiny_patch4_32 reversible 64 --chunk-bytes 256KiB --depth 2
-           --case vit_tiny_patch16_224 checkpointed 64 --depth 2)
+  # A cap the tiny models fill at a few dozen images; the planned batches from
+  # `pareprop.largest_batch(MODEL, ENGINE, 24 * 2**20, amp="bf16", img_size=32, device="cpu",
+  # depth=1, ...)`.
+  LARGEST=(--cap 24MiB --img-size 32 --steps 3
+           --case rev_vit_tiny_patch4_32 reversible 39 --chunk-bytes 2MiB --depth 1
+           --case vit_tiny_patch16_224 checkpointed 202 --depth 1)
   SMALL=(--img-size 32 --batch-sizes 2 --warmup 1 --rounds 1
          --pair rev_vit_tiny_patch4_32 vit_tiny_patch16_224)
   PROFILE=(--img-size 32 --depth 2 --overlap rev_vit_tiny_patch4_32 2
@@ -178,6 +179,9 @@ controls() {
       echo "control $name: caught ($(grep -oE '[0-9]+ failed' "$OUT/control_$name.log"))"
     elif ((rc == 124 || rc == 137)); then
       echo "control $name: not decided (timed out after $per s)"
+    elif ! grep -qE '[0-9]+ passed' "$OUT/control_$name.log" &&
+      grep -qE '[0-9]+ skipped' "$OUT/control_$name.log"; then
+      echo "control $name: not run (the GPU tests skipped: no CUDA device)"
     elif grep -qE '[0-9]+ passed' "$OUT/control_$name.log"; then
       echo "control $name: NOT caught (the tests passed without this wait)"
     else

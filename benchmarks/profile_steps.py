@@ -37,7 +37,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--img-size", type=int)
-    p.add_argument("--depth", type=int, help="blocks of the reversible models (dry runs)")
+    p.add_argument("--depth", type=int, help="blocks of every model profiled (dry runs)")
     p.add_argument("--overlap", nargs=2, metavar=("MODEL", "BATCH"))
     p.add_argument("--kernels", nargs=3, metavar=("REVERSIBLE", "STANDARD", "BATCH"))
     p.add_argument("--top", type=int, default=12)
@@ -144,8 +144,8 @@ def kernel_table(args: argparse.Namespace) -> Dict[str, object]:
     rev, std, batch = args.kernels[0], args.kernels[1], int(args.kernels[2])
     device_clock = args.device == "cuda"
     result = {}
-    for model, engine, depth in ((rev, "autograd", args.depth), (std, "plain", None)):
-        prof = _profiled_step(model, engine, batch, args, depth)
+    for model, engine in ((rev, "autograd"), (std, "plain")):
+        prof = _profiled_step(model, engine, batch, args, args.depth)
         rows = []
         for e in prof.key_averages():
             t = _self_time(e) if device_clock else float(e.self_cpu_time_total)

@@ -33,7 +33,7 @@ import torch
 from _steps import build, inputs_for, training_step
 
 import pareprop
-from pareprop.chunking import Chunking, _parse_bytes
+from pareprop.chunking import Chunking, parse_bytes
 from pareprop.memory import memory_report
 
 GiB = 2**30
@@ -76,7 +76,7 @@ def parse_cases(argv: List[str]) -> argparse.Namespace:
     if not args.cases:
         p.error("expected at least one --case MODEL ENGINE PLANNED")
     try:
-        args.cap_bytes = _parse_bytes(args.cap)
+        args.cap_bytes = parse_bytes(args.cap)
     except ValueError as err:
         p.error(f"--cap: {err}")
     return args

@@ -165,11 +165,12 @@ def test_driver_gives_each_engine_its_share_and_cuts_off_an_overrun(tmp_path, mo
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # Records each call; the environment step reports CUDA as $FAKE_CUDA.
-echo "$*|SAN=${TORCH_CUDA_SANITIZER:-}" >>"$FAKE_LOG"
+echo "$*|DROP=${PAREPROP_DROP_WAIT:-}" >>"$FAKE_LOG"
 case "$1" in
   -) cat >/dev/null; echo "device: fake"; echo "cuda_available: $FAKE_CUDA" ;;
+  -c) echo "recover-after-grads join" ;;
   -m)
-    if [[ -n ${FAKE_HANG:-} && -z ${TORCH_CUDA_SANITIZER:-} ]]; then
+    if [[ -n ${FAKE_HANG:-} && -z ${PAREPROP_DROP_WAIT:-} ]]; then
       trap '' TERM  # ignores the polite stop: only SIGKILL ends it
       sleep 100
     fi
@@ -198,45 +199,47 @@ def _steps(out):
     return [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
 
 
-def test_gpu_mode_runs_tests_sanitizer_sweeps_then_summary(tmp_path):
+def _scripts(calls):
+    return [c.split()[0] for c in calls if c.startswith("benchmarks/")]
+
+
+def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     out = tmp_path / "out"
     proc, calls = _run(tmp_path, str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    kinds = [c.split()[0] if not c.startswith("-m") else c.split()[1] for c in calls]
-    assert kinds == ["-|SAN=", "pytest", "pytest", "benchmarks/gpu_sweep.py",
-                     "benchmarks/gpu_sweep.py", "benchmarks/gpu_sweep.py",
-                     "benchmarks/gpu_sweep.py", "benchmarks/gpu_summary.py"]
-    assert calls[1].endswith("|SAN=") and calls[2].endswith("|SAN=1")
-    assert "-m gpu" in calls[1] and "-m gpu" in calls[2]
-    labels = [c.split("--label ")[1].split()[0] for c in calls[3:7]]
-    assert labels == ["Rev-ViT-B", "Rev-MViTv2-B", "Rev-Swin-T", "Rev-RoBERTa-B"]
-    assert all("--device cuda" in c and "--amp bf16" in c for c in calls[3:7])
-    assert "--model rev_mvitv2_base --baseline mvitv2_base" in calls[4]
-    assert "--seq-len 512" in calls[6]
-    budgets = [float(c.split("--budget ")[1].split()[0]) for c in calls[3:7]]
-    # Steps that take no time pass their share on, in proportion to the plan (tests 60,
-    # sanitizer 75, vit 100, mvit 105, swin 100, text 70 of 540 - 15 s); each sweep's driver
-    # stops GRACE + 3 = 8 s before its allowance ends.
-    assert budgets[0] == pytest.approx(525 * 100 / 375 - 8, abs=2)
-    assert all("--no-plan --no-grad-check" in c for c in calls[3:7])
-    assert budgets[-1] == pytest.approx(525 - 8, abs=2) and budgets[-1] <= 525 - 8
-    # the image models also run chunked, at the size the plans in BENCHMARKS.md use
-    assert all("--chunk-bytes 1GiB --" in c for c in calls[3:6])
-    assert "--chunk-bytes" not in calls[6]
+    assert _scripts(calls) == ["benchmarks/real_largest_batch.py", "benchmarks/small_batch.py",
+                               "benchmarks/profile_steps.py"]
+    largest, small, profile = (c for c in calls if c.startswith("benchmarks/"))
+    assert all(c.startswith(f"{s} --device cuda --json {out}/") for c, s in zip(
+        (largest, small, profile), _scripts(calls)))
+    assert "--cap 40GiB" in largest
+    assert "--case rev_vit_base_patch16_224 reversible 8380 --chunk-bytes 1GiB" in largest
+    assert "--case vit_base_patch16_224 checkpointed 2767" in largest
+    assert "--case swin_tiny_patch4_window7_224 checkpointed" in largest
+    assert "--pair rev_vit_large_patch16_224 vit_large_patch16_224" in small
+    assert "--batch-sizes 8 16 32 64" in small
+    assert "--overlap rev_vit_large_patch16_224 32" in profile
+    pytest_calls = [c for c in calls if c.startswith("-m pytest")]
+    assert "-m gpu" in pytest_calls[0] and pytest_calls[0].endswith("|DROP=")
+    # one control per wait the engine names (the fake python names two), each dropping it
+    assert [c.rsplit("DROP=", 1)[1] for c in pytest_calls[1:]] == ["recover-after-grads", "join"]
+    assert all("tests/test_pareprop_gpu.py" in c for c in pytest_calls[1:])
     steps = _steps(out)
-    assert [s[0] for s in steps] == ["tests", "sanitizer", "vit", "mvit", "swin", "text"]
+    assert [s[0] for s in steps] == ["largest", "small", "profile", "tests", "controls"]
     assert all(s[1] == "0" for s in steps)
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ")
+    lines = proc.stdout.rstrip().splitlines()
+    assert "summary:" in lines and lines[-1].startswith("total: ")
+    # the fake tests "passed" with each wait dropped: the script says the control failed
+    assert "control join: NOT caught (the tests passed without this wait)" in proc.stdout
 
 
 def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
     out = tmp_path / "out"
     proc, calls = _run(tmp_path, "--dry-run", str(out), cuda="no")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert calls[2].endswith("|SAN=")  # the sanitizer needs CUDA: the step runs without it
-    assert "without TORCH_CUDA_SANITIZER" in _steps(out)[1][3]
-    assert all("--device cpu" in c for c in calls[3:7])
-    assert "--model rev_vit_tiny_patch4_32" in calls[3]
+    scripted = [c for c in calls if c.startswith("benchmarks/")]
+    assert len(scripted) == 3 and all("--device cpu" in c for c in scripted)
+    assert "rev_vit_tiny_patch4_32" in scripted[0] and "--img-size 32" in scripted[0]
 
 
 def test_gpu_mode_without_cuda_and_bad_usage_are_refused(tmp_path):
@@ -255,8 +258,10 @@ def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
     proc, calls = _run(tmp_path, str(out), GPU_SH_TOTAL_S="100", FAKE_HANG="1")
     took = time.monotonic() - t0
     steps = _steps(out)
-    # 100 s - 15 s for the summary, tests' share 60/430 of it: 11 s, SIGKILL included
-    assert steps[0][:2] == ["tests", "137"] and int(steps[0][2]) <= 12
-    assert [s[1] for s in steps[1:]] == ["0"] * 5  # the later steps still ran
+    # 100 s - 10 s for the summary; the scripts before return at once, so the tests get
+    # 50 / (50 + 110) of 90 s: 28 s, SIGKILL included
+    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 29
+    assert [s[1] for s in steps[:3]] == ["0"] * 3
+    assert steps[4][0] == "controls" and steps[4][1] == "0"  # the later step still ran
     assert proc.returncode == 1
-    assert calls[-1].startswith("benchmarks/gpu_summary.py") and took < 30
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 45

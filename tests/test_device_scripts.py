@@ -1,0 +1,106 @@
+"""The device scripts' own logic, without a device: the largest-batch search, the stream
+overlap arithmetic and their usage errors. The scripts run end to end (tiny models, CPU) in
+CI through ``benchmarks/gpu.sh --dry-run``."""
+
+import argparse
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import profile_steps  # noqa: E402
+import real_largest_batch  # noqa: E402
+import small_batch  # noqa: E402
+
+
+class FakeCase(real_largest_batch.Case):
+    """A case whose step fits at ``limit`` images or fewer, recording the batches tried."""
+
+    def __init__(self, planned, limit, steps=8):
+        self.spec = argparse.Namespace(model="m", engine="reversible", chunk_bytes=None,
+                                       grad_checkpointing=False)
+        self.args = argparse.Namespace(steps=steps, trace_oom=False)
+        self.device = argparse.Namespace(type="cpu")
+        self.planned, self.limit, self.tried = planned, limit, []
+
+    def step(self, batch):
+        self.tried.append(batch)
+        fits = batch <= self.limit
+        return dict(batch=batch, fits=fits, peak_gib=1.0 if fits else None, chunks={})
+
+
+def test_search_checks_five_percent_above_a_plan_that_fits():
+    case = FakeCase(planned=100, limit=102)
+    result = case.search()
+    assert case.tried[:2] == [100, 105]  # the plan, then 5% more
+    assert result["real"] == 102 and result["bracket"] == [102, 103]
+    assert result["real_over_planned"] == pytest.approx(1.02)
+
+
+def test_search_bisects_below_a_plan_that_does_not_fit():
+    case = FakeCase(planned=1000, limit=613, steps=20)
+    result = case.search()
+    assert case.tried[0] == 1000 and case.tried[1] == 500
+    assert result["real"] <= 613 < result["bracket"][1]
+    assert result["bracket"][1] - result["real"] <= 10  # within 1% of the plan
+
+
+def test_search_stops_after_the_plan_and_five_percent_both_fit():
+    case = FakeCase(planned=100, limit=10_000)
+    result = case.search()
+    assert case.tried == [100, 105] and result["real"] == 105 and result["bracket"] == [105, None]
+
+
+def test_usage_errors_name_what_was_expected(capsys):
+    with pytest.raises(SystemExit):
+        real_largest_batch.parse_cases(["--cap", "40GiB", "--case", "m", "reversible", "lots"])
+    assert "expected a planned batch (an integer) or 'plan'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        real_largest_batch.parse_cases(["--cap", "forty", "--case", "m", "reversible", "3"])
+    assert "--cap" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        real_largest_batch.parse_cases(["--cap", "40GiB"])
+    assert "expected at least one --case" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        small_batch.parse(["--pair", "a", "b", "--device", "cpu", "--batch-sizes", "0"])
+    assert "batch sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_steps.parse(["--device", "cpu"])
+    assert "--overlap and/or --kernels" in capsys.readouterr().err
+
+
+def test_cases_keep_their_own_options():
+    args = real_largest_batch.parse_cases([
+        "--cap", "1GiB", "--device", "cpu", "--case", "a", "reversible", "7", "--chunk-bytes",
+        "1MiB", "--case", "b", "checkpointed", "plan", "--depth", "2"])
+    assert args.cap_bytes == 2**30 and args.device == "cpu"
+    a, b = args.cases
+    assert (a.model, a.planned, a.chunk_bytes, a.depth) == ("a", "7", "1MiB", None)
+    assert (b.model, b.planned, b.chunk_bytes, b.depth) == ("b", "plan", None, 2)
+
+
+def _kernel(stream, ts, dur):
+    return dict(cat="kernel", ts=ts, dur=dur, args=dict(stream=stream))
+
+
+def test_lane_busy_unions_each_stream_and_intersects_the_two_busiest():
+    events = [_kernel(7, 0, 100), _kernel(7, 50, 100),  # stream 7 busy 0-150
+              _kernel(13, 120, 60), _kernel(13, 300, 10),  # stream 13 busy 120-180, 300-310
+              _kernel(20, 400, 1),  # a third, idle stream
+              dict(cat="cpu_op", ts=0, dur=5000, tid=1)]  # host work is ignored with kernels
+    out = profile_steps.lane_busy(events)
+    assert out["lanes"] == "CUDA streams"
+    assert out["busy_ms"] == {"stream 7": 0.15, "stream 13": 0.07, "stream 20": 0.001}
+    assert out["both_busy_ms"] == pytest.approx(0.03)  # 120-150
+    assert out["span_ms"] == pytest.approx(0.401)
+
+
+def test_lane_busy_without_kernels_reads_host_threads():
+    out = profile_steps.lane_busy([dict(cat="cpu_op", ts=0, dur=10, tid=1),
+                                   dict(cat="cpu_op", ts=5, dur=10, tid=2)])
+    assert out["lanes"].startswith("host threads")
+    assert out["both_busy_ms"] == pytest.approx(0.005)
