@@ -229,7 +229,8 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
         return self.stack(x, x)
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
-        return _join_streams(*self._streams(x))  # (B, N, 2C)
+        x1, x2 = self._streams(x)  # unpacked: torch.fx's proxies iterate only this way
+        return _join_streams(x1, x2)  # (B, N, 2C)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the normalised output tokens ``(B, N, 2 * embed_dim)``."""
@@ -290,17 +291,19 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     # forward keeps the concatenation (two stream maps) and its backward makes two more of that
     # size (the pooled gradient spread over the tokens, and LayerNorm's input gradient): six
     # stream maps beside the two streams the stack keeps, 22 GiB of Rev-ViT-B's planned 36 at
-    # batch 6520. So with chunking on, the tokens are normalised and pooled under activation
-    # checkpointing, a chunk of samples at a time (NOTE [ Checkpointed blocks in chunks ] in
-    # layers/recompute.py), joining the streams inside each chunk's checkpoint: forward keeps
-    # nothing but the streams, and backward rebuilds one chunk's maps at a time. The pooled
-    # features are those of forward_head(forward_features(x)), by the same operations.
+    # batch 6520. So with chunking on (under the reversible engines, which chunk), the tokens
+    # are normalised and pooled under activation checkpointing, a chunk of samples at a time
+    # (NOTE [ Checkpointed blocks in chunks ] in layers/recompute.py), joining the streams
+    # inside each chunk's checkpoint: forward keeps nothing but the streams, and backward
+    # rebuilds one chunk's maps at a time. The pooled features are those of
+    # forward_head(forward_features(x)), by the same operations.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunking = self.stack.chunking
-        if chunking is None or not torch.is_grad_enabled():
+        if chunking is None or self.stack.engine == "autograd" or not torch.is_grad_enabled():
             return self.forward_head(self.forward_features(x))
-        pooled = maybe_checkpoint(self._pooled_tokens, self._streams(x), True, chunking,
+        x1, x2 = self._streams(x)
+        pooled = maybe_checkpoint(self._pooled_tokens, (x1, x2), True, chunking,
                                   join=_join_streams)  # (B, 2C)
         return self._classify(pooled)
 
