@@ -19,6 +19,9 @@ FAMILIES = {
     "rev_mvitv2_tiny_32": dict(overrides=dict(embed_dim=8, drop_path_rate=0.3)),
     "rev_mvit_base": dict(img_size=32, overrides=dict(
         embed_dim=8, depth=4, transition_blocks=(2,), drop_path_rate=0.3)),
+    "rev_mvit_base_16x4": dict(img_size=32, overrides=dict(
+        num_frames=4, embed_dim=8, depth=4, transition_blocks=(2,), kv_stride=(1, 4, 4),
+        drop_path_rate=0.3, drop_rate=0.1)),
     "rev_swin_tiny_32": dict(img_size=30, overrides=dict(
         embed_dim=8, depths=(1, 2, 1), num_heads=(1, 2, 2), window=4, drop_path_rate=0.3,
         proj_drop_rate=0.1)),
@@ -80,6 +83,9 @@ def test_a_wrong_block_would_fail_the_comparison():
 @pytest.mark.parametrize("name, overrides", [
     ("rev_vit_tiny_patch4_32", {}),
     ("rev_swin_tiny_32", {"embed_dim": 24, "num_heads": (1, 2, 3, 4)}),
+    # All 16 blocks: plan_memory reads depth as a total (the catalog's depth_overrides).
+    ("rev_mvit_base_16x4", {"num_frames": 4, "img_size": 32, "embed_dim": 8,
+                            "kv_stride": (1, 4, 4)}),
 ])
 def test_checkpointed_plan_agrees_with_the_real_step(name, overrides):
     plan = plan_memory(name, 2, "checkpointed", device="cpu", num_classes=10, **overrides)

@@ -58,7 +58,15 @@ def _rev_mvit():
     ), (torch.randn(2, 3, 32, 32),)
 
 
-FAMILIES = {"vit": _vit, "text": _text, "swin": _swin, "mvit": _mvit, "rev_mvit": _rev_mvit}
+def _video():
+    return pareprop.create_model(
+        "rev_mvit_base_16x4", num_frames=4, img_size=32, embed_dim=8, depth=4,
+        transition_blocks=(2,), kv_stride=(1, 4, 4), num_classes=3, drop_path_rate=0.2,
+    ), (torch.randn(2, 3, 4, 32, 32),)
+
+
+FAMILIES = {"vit": _vit, "text": _text, "swin": _swin, "mvit": _mvit, "rev_mvit": _rev_mvit,
+            "video": _video}
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""Multi-scale features: forward_intermediates, features_only backbones, every engine."""
+"""Multi-scale features: forward_intermediates, features_only backbones, every engine; images and
+video clips (the video model's maps keep their time axis: (B, C, T, H, W))."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ TINY = {
         img_size=64,
         drop_path_rate=0.2,
     ),
+    # 4 frames: a 2 x 16 x 16 first map; time stays 2 through the stages.
+    "rev_mvit_base_16x4": dict(num_frames=4, embed_dim=8, img_size=64, depth=7,
+                               transition_blocks=(1, 3, 5), drop_path_rate=0.2),
 }
+VIDEO = {"rev_mvit_base_16x4"}
 
 
 def _backbone(name: str, **kw):
@@ -31,9 +36,11 @@ def _backbone(name: str, **kw):
     return timm.create_model(name, features_only=True, dtype=torch.float64, **{**TINY[name], **kw})
 
 
-def _images(n: int = 2) -> torch.Tensor:
+def _images(name: str, n: int = 2) -> torch.Tensor:
+    """Images (n, 3, 64, 64), or clips (n, 3, 4, 64, 64) for a video model."""
+    frames = (TINY[name]["num_frames"],) if name in VIDEO else ()
     return torch.randn(
-        n, 3, 64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        n, 3, *frames, 64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64
     )
 
 
@@ -41,10 +48,11 @@ def _images(n: int = 2) -> torch.Tensor:
 def test_stage_features_shapes_and_strides(name):
     net = _backbone(name)
     assert net.feature_info.reduction() == [4, 8, 16, 32]
-    feats = net(_images())
+    feats = net(_images(name))
     assert len(feats) == 4
+    time = (2,) if name in VIDEO else ()  # the stem halves time; the stages keep it
     for f, c, r in zip(feats, net.feature_info.channels(), net.feature_info.reduction()):
-        assert f.shape == (2, c, 64 // r, 64 // r)
+        assert f.shape == (2, c, *time, 64 // r, 64 // r)
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -52,21 +60,21 @@ def test_out_indices_prune_later_stages(name):
     net = _backbone(name, out_indices=(1, 2))
     assert net.feature_info.reduction() == [8, 16]
     assert len(net.model.stages) == 3  # the last stage is never run
-    assert [f.shape[-1] for f in net(_images())] == [8, 4]
+    assert [f.shape[-1] for f in net(_images(name))] == [8, 4]
 
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_forward_intermediates_matches_forward_features(name):
     torch.manual_seed(0)
     model = timm.create_model(name, dtype=torch.float64, **TINY[name]).eval()
-    x = _images()
+    x = _images(name)
     final, feats = model.forward_intermediates(x, output_fmt="NHWC")
     torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
     assert (
         model.forward_intermediates(x, indices=[0], stop_early=True, intermediates_only=True)[
             0
         ].shape
-        == feats[0].permute(0, 3, 1, 2).shape
+        == feats[0].movedim(-1, 1).shape
     )
     with pytest.raises(ValueError, match="output_fmt"):
         model.forward_intermediates(x, output_fmt="NLC")
@@ -79,7 +87,7 @@ def test_every_engine_gives_autograd_features_and_gradients(name):
         # A key-norm bias shifts every logit of a query alike: its true gradient is zero, so a
         # relative error would measure rounding noise (as in test_mvit.py).
         p.requires_grad_(not pname.endswith("norm_k.bias"))
-    report = engine_errors(net, _images())
+    report = engine_errors(net, _images(name))
     assert set(report) == {"reversible", "pareprop"}
     for engine, errors in report.items():
         worst = max(errors.values())
@@ -87,16 +95,18 @@ def test_every_engine_gives_autograd_features_and_gradients(name):
 
 
 class _DenseHead(nn.Module):
-    """A per-pixel classifier on the stride-8 and stride-16 maps (FPN-like sum)."""
+    """A per-pixel (per-voxel for clips) classifier on the stride-8 and stride-16 maps (FPN-like
+    sum)."""
 
-    def __init__(self, chs, classes: int = 3) -> None:
+    def __init__(self, chs, classes: int = 3, video: bool = False) -> None:
         super().__init__()
-        self.proj = nn.ModuleList(nn.Conv2d(c, 8, 1) for c in chs)
-        self.cls = nn.Conv2d(8, classes, 1)
+        conv = nn.Conv3d if video else nn.Conv2d
+        self.proj = nn.ModuleList(conv(c, 8, 1) for c in chs)
+        self.cls = conv(8, classes, 1)
 
     def forward(self, feats):
         a, b = (p(f) for p, f in zip(self.proj, feats))
-        return self.cls(a + nn.functional.interpolate(b, size=a.shape[-2:]))
+        return self.cls(a + nn.functional.interpolate(b, size=a.shape[2:]))
 
 
 @pytest.mark.parametrize("engine", pareprop.ENGINES)
@@ -104,11 +114,12 @@ class _DenseHead(nn.Module):
 def test_dense_head_trains_one_step_under_each_engine(name, engine):
     net = _backbone(name, out_indices=(1, 2), drop_path_rate=0.0)
     pareprop.set_engine(net, engine)
-    head = _DenseHead(net.feature_info.channels()).double()
+    head = _DenseHead(net.feature_info.channels(), video=name in VIDEO).double()
     params = list(net.parameters()) + list(head.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
-    x = _images()
-    target = torch.randint(0, 3, (2, 8, 8), generator=torch.Generator().manual_seed(2))
+    x = _images(name)
+    time = (2,) if name in VIDEO else ()
+    target = torch.randint(0, 3, (2, *time, 8, 8), generator=torch.Generator().manual_seed(2))
 
     def loss():
         return nn.functional.cross_entropy(head(net(x)), target)
@@ -143,5 +154,5 @@ def test_rev_vit_offers_its_stack_end_only():
 
 
 def test_features_only_refuses_text_models():
-    with pytest.raises(ValueError, match="features_only=True needs an image model"):
+    with pytest.raises(ValueError, match="features_only=True needs an image or video model"):
         pareprop.create_model("rev_roberta_small", features_only=True, device="meta")

@@ -1,8 +1,8 @@
 """FSDP2 per block (pareprop.fsdp.shard) on the CPU: 2 gloo processes, float64. For every engine
 and one model of each family, a sharded step on half batches equals one process on the whole
 batch: full gradients gathered from the shards, weights after an SGD step, with gradient
-accumulation, with one stored block and with the non-reversible blocks checkpointed; each rank
-holds about half of the bytes."""
+accumulation, with one stored block and with the non-reversible blocks checkpointed (the video
+model's transitions too); each rank holds about half of the bytes."""
 
 import os
 
@@ -30,6 +30,9 @@ FAMILIES = {
                                       patch_size=2, img_size=16, num_classes=5)),
     "rev_mvit": ("rev_mvit_base", dict(img_size=32, embed_dim=8, depth=5, num_classes=5,
                                        transition_blocks=(2,))),
+    "video": ("rev_mvit_base_16x4", dict(num_frames=4, img_size=32, embed_dim=8, depth=5,
+                                         transition_blocks=(2,), kv_stride=(1, 4, 4),
+                                         num_classes=5, drop_rate=0.0)),
     "text": ("rev_roberta_small", dict(vocab_size=20, max_position_embeddings=16,
                                        example_seq_len=8, embed_dim=16, depth=3, num_heads=2,
                                        mlp_dim=32, num_classes=3, drop_rate=0.0,
@@ -43,7 +46,7 @@ def _model(family, engine):
     model = pareprop.create_model(name, engine=engine, drop_path_rate=0.0, **kwargs)
     model = model.double().train()
     # The key norm's bias has an exact zero gradient (see test_mvit.py).
-    if family in ("mvit", "rev_mvit"):
+    if family in ("mvit", "rev_mvit", "video"):
         for n, p in model.named_parameters():
             p.requires_grad_(not n.endswith("norm_k.bias"))
     return model
@@ -107,7 +110,7 @@ def _cases():
         yield family, "pareprop", "late_reduce"
         yield family, "reversible", "chunked"
         yield family, "pareprop", "chunked"
-        if family in ("mvit", "swin"):  # non-reversible blocks under activation checkpointing
+        if family in ("mvit", "swin", "video"):  # non-reversible blocks checkpointed
             yield family, "pareprop", "grad_ckpt"
 
 

@@ -34,6 +34,8 @@ TINY = {
         img_size=30,
         drop_path_rate=0.2,
     ),
+    "rev_mvit_base_16x4": dict(num_frames=4, embed_dim=8, img_size=32, depth=4,
+                               transition_blocks=(2,), kv_stride=(1, 4, 4), drop_path_rate=0.2),
 }
 
 

@@ -17,6 +17,9 @@ TINY = {
     "rev_mvitv2_tiny_32": dict(embed_dim=8, img_size=32, drop_path_rate=0.3),
     "rev_mvit_base": dict(embed_dim=8, img_size=32, depth=4, transition_blocks=(2,),
                           drop_path_rate=0.3),
+    "rev_mvit_base_16x4": dict(num_frames=4, embed_dim=8, img_size=32, depth=4,
+                               transition_blocks=(2,), kv_stride=(1, 4, 4), drop_path_rate=0.3,
+                               drop_rate=0.1),
     "rev_swin_tiny_32": dict(
         embed_dim=8,
         depths=(1, 2, 1),
@@ -140,12 +143,13 @@ def test_features_only_backbone_checkpoints_with_the_same_gradients(name):
     grads = []
     for gc in (False, True):
         torch.manual_seed(0)
-        kw = {k: v for k, v in TINY[name].items() if k != "proj_drop_rate"}
+        kw = {k: v for k, v in TINY[name].items() if k not in ("proj_drop_rate", "drop_rate")}
         net = timm.create_model(
             name, features_only=True, dtype=torch.float64, engine="pareprop", **kw
         ).train()
         net.set_grad_checkpointing(gc)
-        x = torch.randn(2, 3, kw["img_size"], kw["img_size"], dtype=torch.float64,
+        frames = (kw["num_frames"],) if "num_frames" in kw else ()  # clips (B, C, T, H, W)
+        x = torch.randn(2, 3, *frames, kw["img_size"], kw["img_size"], dtype=torch.float64,
                         generator=torch.Generator().manual_seed(2))
         torch.manual_seed(1)
         sum(f.square().mean() for f in net(x)).backward()

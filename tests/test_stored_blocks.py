@@ -66,14 +66,20 @@ def _tiny_models():
         "rev_mvit_base", img_size=32, embed_dim=8, depth=7, transition_blocks=(1, 3),
         num_classes=5, drop_path_rate=0.3,
     )
-    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text, "rev_mvit": rev_mvit}
+    video = pareprop.create_model(
+        "rev_mvit_base_16x4", num_frames=4, img_size=32, embed_dim=8, depth=7,
+        transition_blocks=(1, 3), kv_stride=(1, 4, 4), num_classes=5, drop_path_rate=0.3,
+        drop_rate=0.1,
+    )
+    return {"vit": vit, "mvit": mvit, "swin": swin, "text": text, "rev_mvit": rev_mvit,
+            "video": video}
 
 
 def _stacks(model):
     return [m for m in model.modules() if isinstance(m, pareprop.ReversibleStack)]
 
 
-@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text", "rev_mvit"])
+@pytest.mark.parametrize("family", ["vit", "mvit", "swin", "text", "rev_mvit", "video"])
 def test_one_model_of_each_family_with_stored_blocks(family):
     torch.manual_seed(0)
     model = _tiny_models()[family].double()
@@ -81,7 +87,7 @@ def test_one_model_of_each_family_with_stored_blocks(family):
         stack.store_blocks([0] if len(stack.blocks) == 1 else [0, -1])
     inputs = model.example_inputs(2, dtype=torch.float64)
     # The key norm's bias has an exact zero gradient (see test_mvit.py).
-    if family in ("mvit", "rev_mvit"):
+    if family in ("mvit", "rev_mvit", "video"):
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("norm_k.bias"))
     report = engine_errors(model, inputs, engines=ENGINES)

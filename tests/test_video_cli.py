@@ -90,6 +90,23 @@ def test_train_cli_on_a_video_folder(tmp_path, capsys):
     assert model.num_classes == 2 and model.cfg.num_frames == 4
 
 
+def test_train_grad_checkpointing_flag_checkpoints_the_transitions(tmp_path):
+    from pareprop.cli.train import resolve_config
+    from pareprop.trainer import Trainer
+
+    root = _video_splits(tmp_path / "videos")
+    small = [a for a in ARGS if "num_classes" not in a]
+    cfg = resolve_config(["--model", "rev_mvit_base_16x4", "--dataset", str(root),
+                          "--epochs", "1", "--max-steps", "1", "--batch-size", "2",
+                          "--device", "cpu", "--workers", "0", "--no-progress",
+                          "--grad-checkpointing", "--out", str(tmp_path / "run"), *small])
+    trainer = Trainer(cfg)
+    stages = trainer.model.stages
+    assert [s.transition is not None for s in stages] == [False, True, True]
+    assert all(s.grad_checkpointing for s in stages)
+    assert trainer.fit()
+
+
 def test_train_cli_says_which_split_is_missing(tmp_path, capsys):
     from pareprop.cli.train import main as train
 

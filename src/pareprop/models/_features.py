@@ -7,7 +7,9 @@
 # costs no memory beyond the tensor the caller holds. Block-level intermediates would mean
 # storing what the engines exist to not store, so the hierarchical models (Rev-MViTv2, Rev-Swin)
 # offer one feature per stage (strides 4, 8, 16, 32 with a stride-4 stem) and Rev-ViT offers
-# the end of its single stack.
+# the end of its single stack. The video Rev-MViT offers its stages' space-time maps the same
+# way: ``(B, C, T, H, W)`` channels first ("NCHW"), ``(B, T, H, W, C)`` channels last ("NHWC");
+# its ``reduction`` is the spatial one (time is halved once, by the stem).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def check_output_fmt(output_fmt: str) -> None:
 
 class StageFeaturesMixin:
     """``forward_intermediates`` and ``prune_intermediate_layers`` for models whose
-    ``stages`` map ``(B, H, W, C)`` to ``(B, H', W', C')``.
+    ``stages`` map ``(B, H, W, C)`` to ``(B, H', W', C')`` (or video maps ``(B, T, H, W, C)``
+    to ``(B, T', H', W', C')``: channels first is then ``(B, C, T', H', W')``).
 
     The model sets ``stages``, ``norm``, ``feature_info`` (one dict per stage) and defines
     ``_stem`` (input check and patch embedding) and ``_end`` (what ``forward_features`` does
@@ -64,11 +67,12 @@ class StageFeaturesMixin:
         """Stage outputs as timm defines them.
 
         Args:
-            x: images ``(B, C, H, W)``.
+            x: images ``(B, C, H, W)`` (clips ``(B, C, T, H, W)`` for a video model).
             indices: stages to return: the last n if an int, all if None, else these indices.
             norm: apply the final norm to the last stage's output.
             stop_early: run no stage after the last one asked for.
-            output_fmt: ``"NCHW"`` (timm's default) or ``"NHWC"``.
+            output_fmt: ``"NCHW"`` (timm's default: channels first) or ``"NHWC"`` (channels
+                last, as the stages compute them).
             intermediates_only: return only the list of features.
 
         Returns:
@@ -85,7 +89,7 @@ class StageFeaturesMixin:
             x = stage(x)
             if i in take:
                 y = self.norm(x) if norm and i == last else x
-                features.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
+                features.append(y.movedim(-1, 1).contiguous() if output_fmt == "NCHW" else y)
         if intermediates_only:
             return features
         return (self._end(x) if i == last else x), features

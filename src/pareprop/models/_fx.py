@@ -11,8 +11,8 @@
 #    size and cached per size, which a proxy does not have.
 #  * PoolingAttention (Rev-MViTv2's transitions): its windows, padding and relative position
 #    tables are sized in Python from the pooled maps' shapes.
-#  * check_image: the input checks branch on shapes and dtypes; as a wrapped call they stay
-#    in the graph and still check at run time.
+#  * check_image, check_video: the input checks branch on shapes and dtypes; as wrapped calls
+#    they stay in the graph and still check at run time.
 # timm keeps the list of such leaves (``timm.layers.get_notrace_modules()`` and
 # ``get_notrace_functions()``), and its tests and ``timm.models.create_feature_extractor``
 # pass it to the tracer, so registering there is what makes the models traceable. A tracer
@@ -24,6 +24,7 @@ from __future__ import annotations
 from pareprop.engine import ReversibleStack
 from pareprop.layers.patch_embed import check_image
 from pareprop.layers.pooling_attention import PoolingAttention
+from pareprop.models.rev_mvit_video import check_video
 from pareprop.models.swin import RevSwinStage
 
 __all__ = ["register_fx_leaves"]
@@ -40,3 +41,4 @@ def register_fx_leaves() -> None:
     register_notrace_module(RevSwinStage)
     register_notrace_module(PoolingAttention)
     register_notrace_function(check_image)
+    register_notrace_function(check_video)

@@ -107,12 +107,13 @@ def register_model(
 def _feature_net(model: nn.Module, out_indices: Any) -> nn.Module:
     """timm's ``FeatureGetterNet`` over the model's ``forward_intermediates``: a list of NCHW
     stage maps, ``feature_info`` describing them (all stages when ``out_indices`` is None)."""
-    # The image families list their stage maps in feature_info (timm's contract); the text
+    # The image and video families list their stage maps in feature_info (timm's contract); the text
     # encoder has none. Asked of the model, not of its class, so the registry stays below the
     # families that register themselves in it.
     if getattr(model, "feature_info", None) is None:
         raise ValueError(
-            f"features_only=True needs an image model (Rev-ViT, Rev-MViTv2, Rev-Swin), "
+            f"features_only=True needs an image or video model (Rev-ViT, Rev-MViT, Rev-MViTv2, "
+            f"Rev-Swin, Rev-MViT-B 16x4), "
             f"got {type(model).__name__}"
         )
     n = len(model.feature_info)

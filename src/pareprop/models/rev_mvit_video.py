@@ -54,6 +54,7 @@ from pareprop.models._base import (
     make_head,
     stage_group_matcher,
 )
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 from pareprop.models.mvit import MViTStage
 from pareprop.models.published import PretrainedError, detect_layout
@@ -239,16 +240,15 @@ def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
     return x
 
 
-class RevMViTVideo(ReversibleModelMixin, nn.Module):
+class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
     """The published reversible video MViT (Rev-MViT-B 16x4).
+
+    ``forward_intermediates`` and ``features_only=True`` give one space-time map per stage,
+    ``(B, C, T', H', W')`` (NOTE [ Features from stage ends only ] in models/_features.py).
 
     Args:
         cfg: the configuration; see :class:`RevMViTVideoConfig`.
     """
-
-    # forward_features gives channels-last maps (B, T, H, W, C): timm reads the channel axis
-    # of non-standard models from this.
-    feature_dim = -1
 
     def __init__(self, cfg: RevMViTVideoConfig):
         super().__init__()
@@ -280,7 +280,7 @@ class RevMViTVideo(ReversibleModelMixin, nn.Module):
         self.num_stages = len(plans)
         dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
-        stages = []
+        stages, self.feature_info = [], []
         for s, p in enumerate(plans):
             if p.width % p.num_heads:
                 raise ValueError(
@@ -300,6 +300,12 @@ class RevMViTVideo(ReversibleModelMixin, nn.Module):
             ]
             stack = ReversibleStack(blocks, engine=cfg.engine)
             stages.append(MViTStage(transition, stack, map_dims=3))
+            # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
+            self.feature_info.append({
+                "num_chs": 2 * p.width,
+                "reduction": cfg.patch_stride[1] * cfg.q_stride[1] ** s,
+                "module": f"stages.{s}",
+            })
         self.stages = nn.ModuleList(stages)
         self._block_paths = _block_paths(plans)
 
@@ -367,12 +373,15 @@ class RevMViTVideo(ReversibleModelMixin, nn.Module):
         )  # (1, T, H, W, C)
         return x + pos
 
+    def _end(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)  # per token, as published (before the mean)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Clips ``(B, C, T, H, W)`` to the normalised last map ``(B, T', H', W', F)``."""
         x = self._stem(x)
         for stage in self.stages:
             x = stage(x)
-        return self.norm(x)  # per token, as published (before the mean)
+        return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.head_drop(x.flatten(1, -2).mean(dim=1))  # (B, F)
