@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import pareprop
+from pareprop import chunking
+from pareprop import engine as engine_module
 from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.layers import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
@@ -70,6 +74,49 @@ def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
     # the floor: fixed parts and eight maps of the largest stack's stream, the same either way
     assert plan.floor == whole.floor == real.floor
     assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
+
+
+@pytest.mark.parametrize("name, engine", [
+    ("rev_vit_tiny_patch4_32", "reversible"), ("rev_mvitv2_tiny_32", "reversible"),
+    ("rev_swin_tiny_32", "reversible"), ("rev_roberta_small", "reversible"),
+    ("rev_swin_tiny_32", "pareprop"), ("rev_mvitv2_tiny_32", "pareprop"),
+])  # (Rev-MViT v1's blocks declare no split)
+def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, monkeypatch):
+    # NOTE [ Planning a chunked branch from its distinct chunks ]: the plan traces the first
+    # chunk of each branch and one of each (previous length, length) pair, and its every
+    # figure is the trace of every chunk's, exactly; at batch 6 in chunks of 16 KiB the
+    # branches split unevenly (sample chunks of 2 and 1, token chunks of two lengths).
+    kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, **FAMILIES[name])
+    traced, every = [], []
+    real_chunks_to_run = engine_module.chunks_to_run
+
+    def counted(size, count):
+        run = real_chunks_to_run(size, count)
+        traced.append(len(run))
+        every.append(len(chunking.chunks(size, count)))
+        return run
+
+    monkeypatch.setattr(engine_module, "chunks_to_run", counted)
+    distinct = plan_memory(name, 6, engine, **kw)
+    assert sum(traced) < sum(every) and max(traced) <= 4
+    monkeypatch.setattr(plan_module, "tracing_distinct_chunks", contextlib.nullcontext)
+    traced.clear()
+    full = plan_memory(name, 6, engine, **kw)
+    assert sum(traced) == sum(every) / 2  # every chunk, in the same branches
+    assert distinct.to_dict() == full.to_dict()
+
+
+def test_distinct_chunks_are_the_first_and_one_per_pair_of_lengths():
+    def lengths(size, count):
+        with chunking.tracing_distinct_chunks():
+            return [c.length for c in chunking.chunks_to_run(size, count)]
+
+    assert lengths(20, 7) == [3, 3, 2]  # 3 3 3 3 3 3 2: (3, 3) and (3, 2)
+    assert lengths(10, 4) == [3, 3, 2, 2]  # every pair: (3, 3), (3, 2), (2, 2)
+    assert lengths(64, 16) == [4, 4]
+    assert lengths(65, 16) == [5, 4, 4]  # the first alone is longer
+    assert lengths(5, 1) == [5]
+    assert [c.length for c in chunking.chunks_to_run(20, 7)] == [3] * 6 + [2]  # not planning
 
 
 @pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32", "rev_swin_tiny_32"])
