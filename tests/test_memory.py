@@ -76,19 +76,22 @@ def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
     assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
 
 
-@pytest.mark.parametrize("name, engine", [
-    ("rev_vit_tiny_patch4_32", "reversible"), ("rev_mvitv2_tiny_32", "reversible"),
-    ("rev_swin_tiny_32", "reversible"), ("rev_roberta_small", "reversible"),
-    ("rev_swin_tiny_32", "pareprop"), ("rev_mvitv2_tiny_32", "pareprop"),
+@pytest.mark.parametrize("name, engine, ckpt", [
+    ("rev_vit_tiny_patch4_32", "reversible", False), ("rev_mvitv2_tiny_32", "reversible", True),
+    ("rev_swin_tiny_32", "reversible", True), ("rev_roberta_small", "reversible", False),
+    ("rev_swin_tiny_32", "pareprop", False), ("rev_mvitv2_tiny_32", "pareprop", True),
 ])  # (Rev-MViT v1's blocks declare no split)
-def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, monkeypatch):
-    # NOTE [ Planning a chunked branch from its distinct chunks ]: the plan traces the first
-    # chunk of each branch and one of each (previous length, length) pair, and its every
-    # figure is the trace of every chunk's, exactly; at batch 6 in chunks of 16 KiB the
-    # branches split unevenly (sample chunks of 2 and 1, token chunks of two lengths).
-    kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, **FAMILIES[name])
-    traced, every = [], []
-    real_chunks_to_run = engine_module.chunks_to_run
+def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, ckpt,
+                                                                  monkeypatch):
+    # NOTE [ Planning a chunked branch from its distinct chunks ] and NOTE [ Planning
+    # checkpointed chunks ]: the plan traces a few chunks of each branch and checkpointed
+    # block, and its every figure is the trace of every chunk's, exactly; at batch 6 in chunks
+    # of 16 KiB the branches split unevenly (sample chunks of 2 and 1, token chunks of two
+    # lengths).
+    kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, grad_checkpointing=ckpt,
+              **FAMILIES[name])
+    traced, every, blocks = [], [], []
+    real_chunks_to_run, real_traced = engine_module.chunks_to_run, recompute._traced
 
     def counted(size, count):
         run = real_chunks_to_run(size, count)
@@ -96,9 +99,17 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
         every.append(len(chunking.chunks(size, count)))
         return run
 
+    def counted_blocks(pieces):
+        run = real_traced(pieces)
+        blocks.append((len(run), len(pieces)))
+        return run
+
     monkeypatch.setattr(engine_module, "chunks_to_run", counted)
+    monkeypatch.setattr(recompute, "_traced", counted_blocks)
     distinct = plan_memory(name, 6, engine, **kw)
     assert sum(traced) < sum(every) and max(traced) <= 4
+    if ckpt:  # checkpointed blocks in chunks, some of them stand-ins
+        assert blocks and sum(n for n, _ in blocks) < sum(m for _, m in blocks)
     monkeypatch.setattr(plan_module, "tracing_distinct_chunks", contextlib.nullcontext)
     traced.clear()
     full = plan_memory(name, 6, engine, **kw)

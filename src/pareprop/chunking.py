@@ -130,9 +130,10 @@ def chunks(size: int, count: int) -> List[Chunk]:
 # every peak the whole loop reaches, and the plan's peak is exactly the full trace's:
 # ``chunks`` gives at most two lengths (the longer first), so at most four chunks are traced
 # (tests/test_memory.py compares against the full trace). Fake tensors hold no values, so the
-# chunks left out change nothing else. Only the engine's branch loop uses this; the
-# checkpointed blocks of pareprop.layers.recompute join their chunks' outputs and are traced
-# whole.
+# chunks left out change nothing else. The checkpointed blocks of pareprop.layers.recompute
+# keep every chunk's output until they are joined, and every chunk's input gradient until the
+# last is done, so there the chunks differ by what came before: see NOTE [ Planning
+# checkpointed chunks ] in that module.
 _DISTINCT_ONLY = [0]  # > 0 while a plan traces only the distinct chunks
 
 
@@ -145,6 +146,11 @@ def tracing_distinct_chunks():
         yield
     finally:
         _DISTINCT_ONLY[0] -= 1
+
+
+def tracing_distinct() -> bool:
+    """Whether a plan is tracing only the distinct chunks (:func:`tracing_distinct_chunks`)."""
+    return _DISTINCT_ONLY[0] > 0
 
 
 def chunks_to_run(size: int, count: int) -> List[Chunk]:
