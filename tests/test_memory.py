@@ -76,10 +76,16 @@ def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
     assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
 
 
+SLOW = pytest.mark.slow  # two plans each, of many chunks: the quick tier keeps the first
+
+
 @pytest.mark.parametrize("name, engine, ckpt", [
-    ("rev_vit_tiny_patch4_32", "reversible", False), ("rev_mvitv2_tiny_32", "reversible", True),
-    ("rev_swin_tiny_32", "reversible", True), ("rev_roberta_small", "reversible", False),
-    ("rev_swin_tiny_32", "pareprop", False), ("rev_mvitv2_tiny_32", "pareprop", True),
+    ("rev_vit_tiny_patch4_32", "reversible", False),
+    pytest.param("rev_mvitv2_tiny_32", "reversible", True, marks=SLOW),
+    pytest.param("rev_swin_tiny_32", "reversible", True, marks=SLOW),
+    pytest.param("rev_roberta_small", "reversible", False, marks=SLOW),
+    pytest.param("rev_swin_tiny_32", "pareprop", False, marks=SLOW),
+    pytest.param("rev_mvitv2_tiny_32", "pareprop", True, marks=SLOW),
 ])  # (Rev-MViT v1's blocks declare no split)
 def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, ckpt,
                                                                   monkeypatch):
