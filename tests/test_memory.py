@@ -102,12 +102,12 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
     kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, grad_checkpointing=ckpt,
               **FAMILIES[name])
     traced, every, blocks = [], [], []
-    real_chunks_to_run, real_traced = engine_module.chunks_to_run, recompute._traced
+    real_distinct, real_traced = engine_module.distinct_chunks, recompute._traced
 
-    def counted(size, count):
-        run = real_chunks_to_run(size, count)
+    def counted(pieces):
+        run = real_distinct(pieces)
         traced.append(len(run))
-        every.append(len(chunking.chunks(size, count)))
+        every.append(len(pieces))
         return run
 
     def counted_blocks(pieces):
@@ -115,7 +115,7 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
         blocks.append((len(run), len(pieces)))
         return run
 
-    monkeypatch.setattr(engine_module, "chunks_to_run", counted)
+    monkeypatch.setattr(engine_module, "distinct_chunks", counted)
     monkeypatch.setattr(recompute, "_traced", counted_blocks)
     distinct = plan_memory(name, 6, engine, **kw)
     assert sum(traced) < sum(every) and max(traced) <= 4
@@ -131,14 +131,15 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
 def test_distinct_chunks_are_the_first_and_one_per_pair_of_lengths():
     def lengths(size, count):
         with chunking.tracing_distinct_chunks():
-            return [c.length for c in chunking.chunks_to_run(size, count)]
+            return [c.length for c in chunking.distinct_chunks(chunking.chunks(size, count))]
 
     assert lengths(20, 7) == [3, 3, 2]  # 3 3 3 3 3 3 2: (3, 3) and (3, 2)
     assert lengths(10, 4) == [3, 3, 2, 2]  # every pair: (3, 3), (3, 2), (2, 2)
     assert lengths(64, 16) == [4, 4]
     assert lengths(65, 16) == [5, 4, 4]  # the first alone is longer
     assert lengths(5, 1) == [5]
-    assert [c.length for c in chunking.chunks_to_run(20, 7)] == [3] * 6 + [2]  # not planning
+    pieces = chunking.chunks(20, 7)
+    assert chunking.distinct_chunks(pieces) == pieces  # not planning
 
 
 @pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32",

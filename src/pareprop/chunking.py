@@ -153,10 +153,9 @@ def tracing_distinct() -> bool:
     return _DISTINCT_ONLY[0] > 0
 
 
-def chunks_to_run(size: int, count: int) -> List[Chunk]:
-    """``chunks(size, count)``, or under :func:`tracing_distinct_chunks` the first chunk and
-    the first of each (previous length, length) pair after it."""
-    pieces = chunks(size, count)
+def distinct_chunks(pieces: List[Chunk]) -> List[Chunk]:
+    """``pieces`` (from :func:`chunks`), or under :func:`tracing_distinct_chunks` their first
+    chunk and the first of each (previous length, length) pair after it."""
     if not _DISTINCT_ONLY[0]:
         return pieces
     seen, kept = set(), pieces[:1]

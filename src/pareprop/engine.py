@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunk, Chunking, Split, chunks_to_run, parse_chunking
+from pareprop.chunking import Chunk, Chunking, Split, chunks, distinct_chunks, parse_chunking
 from pareprop.schedule import ScheduleChoice
 
 __all__ = [
@@ -928,7 +928,7 @@ def _run_chunks(
     params = [p for _, p in owned]
     # All chunks, or while planning those that can set a new peak (NOTE [ Planning a chunked
     # branch from its distinct chunks ] in chunking.py).
-    pieces = [None] if split is None or count == 1 else chunks_to_run(split.size, count)
+    pieces = [None] if split is None or count == 1 else distinct_chunks(chunks(split.size, count))
     accumulate = grad_out is not None and len(pieces) > 1
     with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:
         for chunk in pieces:
