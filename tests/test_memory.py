@@ -159,6 +159,7 @@ def test_checkpointed_blocks_in_chunks_plan_as_they_run_and_plan_less(name, monk
     assert plan.peak < whole.peak if name.startswith("rev_mvit") else plan.peak <= whole.peak
 
 
+@pytest.mark.slow  # five chunkings planned, then a largest-batch search: minutes
 def test_auto_chunking_plans_the_lowest_peak_and_largest_batch_passes_it_on():
     kw = dict(device="cpu", num_classes=10)
     auto = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", chunk_bytes="auto", **kw)
