@@ -450,12 +450,19 @@ def _chord_search(peak: Callable[[int], int], memory_bytes: int, known: Dict[int
             known[b] = peak(b)
         return known[b]
 
+    width = None  # the bracket's width before the last step
     for _ in range(tries):
         lo, hi = bracket()
         if (hi is not None and hi - lo <= 1) or lo >= MAX_BATCH:
             break
         p_lo = known[lo] if lo else intercept
-        if hi is not None:
+        # A chord that did not halve the bracket meets a peak that is not affine there (a
+        # jump between two batches): it would close in one batch a plan, so bisect once.
+        halve = hi is not None and width is not None and hi - lo > width / 2
+        width = None if hi is None else hi - lo
+        if halve:
+            guess = (lo + hi) / 2
+        elif hi is not None:
             slope = (known[hi] - p_lo) / (hi - lo)
             guess = lo + (memory_bytes - p_lo) / slope if slope > 0 else (lo + hi) / 2
         else:
