@@ -115,6 +115,7 @@ def _run(argv, capsys):
 # --- end to end ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole sweep through the CLI
 def test_cli_end_to_end_writes_json_csv_pngs(tmp_path, capsys):
     out = tmp_path / "bench"
     rc, stdout, _ = _run([
@@ -415,6 +416,7 @@ def test_default_sweep_runs_the_checkpointed_competitor():
         "autograd", "reversible", "pareprop", "checkpointed"}
 
 
+@pytest.mark.slow  # a whole sweep through the CLI
 def test_cli_headline_plans_the_largest_batch_of_each_method(tmp_path, capsys):
     rc, stdout, _ = _run([
         "--models", "rev_vit_tiny_patch4_32", "--engines", "autograd", "reversible",
@@ -438,6 +440,7 @@ def test_cli_headline_plans_the_largest_batch_of_each_method(tmp_path, capsys):
 # --- memory budgets --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole sweep through the CLI
 def test_memory_budgets_store_blocks_and_keep_gradients_exact(tmp_path, capsys):
     out = tmp_path / "budgets"
     rc, stdout, _ = _run([
@@ -482,6 +485,7 @@ def test_memory_budgets_outside_zero_to_one_are_refused(value, tmp_path, capsys)
 # --- compiled blocks -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole sweep through the CLI
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compile_runs_compiled_blocks_with_exact_gradients(tmp_path, capsys):
     rc, stdout, _ = _run([
@@ -509,6 +513,7 @@ def test_compile_is_refused_for_baselines_and_without_warmup(tmp_path, capsys):
 # --- checkpointed non-reversible blocks ------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole sweep through the CLI
 def test_grad_checkpointing_is_recorded_labelled_and_exact(tmp_path, capsys):
     rc, stdout, _ = _run([
         "--models", "rev_mvitv2_tiny_32", "--engines", "autograd", "reversible",

@@ -80,6 +80,7 @@ def test_a_wrong_block_would_fail_the_comparison():
     assert max(relative_error(g, want[2][n]) for n, g in got[2].items()) > 1e-6
 
 
+@pytest.mark.slow  # a real step and its plan
 @pytest.mark.parametrize("name, overrides", [
     ("rev_vit_tiny_patch4_32", {}),
     ("rev_swin_tiny_32", {"embed_dim": 24, "num_heads": (1, 2, 3, 4)}),

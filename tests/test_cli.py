@@ -36,6 +36,7 @@ def test_demo_rejects_a_zero_depth():
     assert exc.value.code == 2
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "pareprop", "--help"], capture_output=True,
                           text=True, timeout=120)

@@ -14,6 +14,9 @@ from torch._dynamo.utils import counters
 import pareprop
 from pareprop.testing import one_step, relative_error
 
+# slow: every test compiles with torch.compile (minutes in all; README, Development)
+pytestmark = pytest.mark.slow
+
 TOL = 1e-10
 ENGINES = pareprop.ENGINES
 

@@ -15,9 +15,12 @@ from pareprop import fsdp
 from pareprop.distributed import wrap_ddp
 from pareprop.engine import ENGINES
 
-pytestmark = pytest.mark.skipif(
-    not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
-)
+pytestmark = [  # slow: spawned process pairs (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
+    ),
+]
 
 SMALL = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, num_heads=2, num_classes=5,
              depth=3, reg_tokens=1, init_values=0.5)

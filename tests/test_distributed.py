@@ -15,7 +15,10 @@ import pareprop
 from pareprop.distributed import check_wrapping, wrap_ddp
 from pareprop.engine import ENGINES
 
-pytestmark = pytest.mark.skipif(not tdist.is_available(), reason="no torch.distributed")
+pytestmark = [  # slow: torchrun and spawned process pairs (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(not tdist.is_available(), reason="no torch.distributed"),
+]
 
 MODEL = "rev_vit_tiny_patch4_32"
 # Three blocks: an odd depth, where PaReprop's final step is easiest to get wrong.

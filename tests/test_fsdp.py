@@ -15,9 +15,12 @@ import pareprop
 from pareprop import fsdp
 from pareprop.engine import ENGINES
 
-pytestmark = pytest.mark.skipif(
-    not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
-)
+pytestmark = [  # slow: spawned process pairs (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
+    ),
+]
 
 BATCH, LR = 8, 0.5
 # One tiny model of each family, without dropout (each process draws its own masks).

@@ -21,7 +21,10 @@ import torch
 from pareprop import checkpoint as ckpt_lib
 from pareprop.trainer import TIMING_KEYS
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forks and SIGKILLs itself")
+pytestmark = [  # slow: forked training runs killed and resumed (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="forks and SIGKILLs itself"),
+]
 
 TINY = dict(img_size=8, patch_size=4, in_chans=1, embed_dim=8, depth=2, num_heads=1,
             drop_path_rate=0.1)

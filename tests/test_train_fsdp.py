@@ -20,9 +20,12 @@ from pareprop.cli.train import main, resolve_config
 from pareprop.fsdp import fsdp_available
 from pareprop.trainer import TIMING_KEYS, TrainConfig, Trainer
 
-pytestmark = pytest.mark.skipif(
-    not (tdist.is_available() and fsdp_available()), reason="no torch.distributed FSDP2"
-)
+pytestmark = [  # slow: spawned process pairs (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (tdist.is_available() and fsdp_available()), reason="no torch.distributed FSDP2"
+    ),
+]
 
 TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=16, depth=3, num_heads=2)
 

@@ -49,6 +49,7 @@ rebuild and differentiate a branch a piece at a time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -116,6 +117,56 @@ def chunks(size: int, count: int) -> List[Chunk]:
         out.append(Chunk(i, count, start, stop, size))
         start = stop
     return out
+
+
+# NOTE [ Planning a chunked branch from its distinct chunks ]
+# A plan (pareprop.plan_memory) traces the step under FakeTensorMode and MemTracker, and its
+# time is the number of operators traced: a branch in 64 chunks traces its graph 64 times, for
+# no new fact, since the chunks of a branch are alike. What a chunk allocates and frees depends
+# on its length and on what the chunks before it left alive: the parameter-gradient
+# accumulators the first chunk creates, and the previous chunk's output and input gradient,
+# which the loop still holds while the next chunk's graph is built. A chunk's peak is therefore
+# fixed by (previous length, length), and it returns to the same memory it started from
+# (its output and gradients are written into the streams in place). So a plan that traces the
+# first chunk and then one chunk of each (previous length, length) pair met in order sees
+# every peak the whole loop reaches, and the plan's peak is exactly the full trace's:
+# ``chunks`` gives at most two lengths (the longer first), so at most four chunks are traced
+# (tests/test_memory.py compares against the full trace). Fake tensors hold no values, so the
+# chunks left out change nothing else. The checkpointed blocks of pareprop.layers.recompute
+# keep every chunk's output until they are joined, and every chunk's input gradient until the
+# last is done, so there the chunks differ by what came before: see NOTE [ Planning
+# checkpointed chunks ] in that module.
+_DISTINCT_ONLY = [0]  # > 0 while a plan traces only the distinct chunks
+
+
+@contextlib.contextmanager
+def tracing_distinct_chunks():
+    """While planning (fake tensors only): branches run only the chunks that can set a new
+    peak (NOTE [ Planning a chunked branch from its distinct chunks ])."""
+    _DISTINCT_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _DISTINCT_ONLY[0] -= 1
+
+
+def tracing_distinct() -> bool:
+    """Whether a plan is tracing only the distinct chunks (:func:`tracing_distinct_chunks`)."""
+    return _DISTINCT_ONLY[0] > 0
+
+
+def distinct_chunks(pieces: List[Chunk]) -> List[Chunk]:
+    """``pieces`` (from :func:`chunks`), or under :func:`tracing_distinct_chunks` their first
+    chunk and the first of each (previous length, length) pair after it."""
+    if not _DISTINCT_ONLY[0]:
+        return pieces
+    seen, kept = set(), pieces[:1]
+    for before, chunk in zip(pieces, pieces[1:]):
+        pair = (before.length, chunk.length)
+        if pair not in seen:
+            seen.add(pair)
+            kept.append(chunk)
+    return kept
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from pareprop.chunking import Chunk, Split, chunks, graph_bytes, linear_cost
+from pareprop.chunking import Chunk, Split, chunks, distinct_chunks, graph_bytes, linear_cost
 from pareprop.engine.block import _skip, skip_scale
 from pareprop.engine.forward import _call_checked
 from pareprop.engine.plan import _BlockRecord, _Plan, _plan_beta
@@ -191,7 +191,9 @@ def _run_chunks(
     block = plan.blocks[index]
     owned = plan.block_params[index]
     params = [p for _, p in owned]
-    pieces = [None] if split is None or count == 1 else chunks(split.size, count)
+    # All chunks, or while planning those that can set a new peak (NOTE [ Planning a chunked
+    # branch from its distinct chunks ] in chunking.py).
+    pieces = [None] if split is None or count == 1 else distinct_chunks(chunks(split.size, count))
     accumulate = grad_out is not None and len(pieces) > 1
     with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:
         for chunk in pieces:

@@ -35,14 +35,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunk, Chunking, Split, chunks, graph_bytes, linear_cost
+from pareprop.chunking import (
+    Chunk,
+    Chunking,
+    Split,
+    chunks,
+    graph_bytes,
+    linear_cost,
+    tracing_distinct,
+)
 
 __all__ = ["maybe_checkpoint", "checkpoint_chunk_count"]
 
@@ -137,13 +145,57 @@ def _checkpoint_chunks(module: nn.Module, parts: Sequence[torch.Tensor],
                        join: Callable[..., torch.Tensor], split: Split,
                        count: int) -> torch.Tensor:
     pieces = chunks(split.size, count)
+    traced = _traced(pieces) if tracing_distinct() else range(len(pieces))
     device = parts[0].device
     state = _rng_state(device)
-    outs = []
-    for chunk, *sliced in zip(pieces, *(_split(p, split, pieces) for p in parts)):
+    outs: List[torch.Tensor] = []
+    like: Dict[int, Tuple[torch.Size, torch.dtype]] = {}  # length -> a traced chunk's output
+    for i, (chunk, *sliced) in enumerate(zip(pieces, *(_split(p, split, pieces) for p in parts))):
+        if i not in traced:  # planning: NOTE [ Planning checkpointed chunks ]
+            outs.append(_Standin.apply(*like[chunk.length], *sliced))
+            continue
         _set_rng_state(state, device)  # every chunk draws what the whole block drew
         outs.append(checkpoint(_Joined(module, join, chunk), *sliced, use_reentrant=False))
+        like[chunk.length] = (outs[-1].shape, outs[-1].dtype)
     return torch.cat(outs, dim=split.dim)
+
+
+# NOTE [ Planning checkpointed chunks ]
+# A plan traces a chunked branch of the engine from its distinct chunks (NOTE [ Planning a
+# chunked branch from its distinct chunks ] in chunking.py); a checkpointed block in chunks
+# differs: forward keeps each chunk's output until they are joined, so chunk k runs beside the
+# outputs of chunks 0..k-1, and backward (last chunk first) keeps each chunk's input gradient
+# until the split's backward joins them, so chunk k runs beside those of chunks k+1..n-1 (and
+# the last chunk, the first done, creates the parameters' gradients). ``chunks`` gives the
+# longer chunks first, so the chunks whose step can set a peak are the first and the last
+# chunk of each length: forward's highest for a length is its last chunk, backward's its
+# first. While planning only those run; every other chunk is a stand-in that allocates what
+# the chunk would keep, an output of the traced chunk's shape in forward and an input
+# gradient of each part's slice in backward, at the same moments. The plan's peak is the
+# trace of every chunk's (tests/test_memory.py).
+def _traced(pieces: List[Chunk]) -> Set[int]:
+    first = {}
+    for i, chunk in enumerate(pieces):
+        first.setdefault(chunk.length, i)
+    last = {chunk.length: i for i, chunk in enumerate(pieces)}
+    return set(first.values()) | set(last.values())
+
+
+class _Standin(torch.autograd.Function):
+    """Planning only: a skipped chunk's output (``shape``, ``dtype``) and input gradients,
+    allocated where the chunk would allocate them, computing nothing."""
+
+    @staticmethod
+    def forward(ctx, shape: torch.Size, dtype: torch.dtype,
+                *sliced: torch.Tensor) -> torch.Tensor:
+        ctx.parts = [(s.shape, s.dtype, s.device) for s in sliced]
+        return sliced[0].new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        grads = [torch.empty(shape, dtype=dtype, device=device) if needed else None
+                 for (shape, dtype, device), needed in zip(ctx.parts, ctx.needs_input_grad[2:])]
+        return (None, None, *grads)
 
 
 def _autocast_key(device_type: str) -> Tuple[Any, ...]:

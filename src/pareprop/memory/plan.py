@@ -38,6 +38,7 @@ from pareprop.catalog import (
     model_facts,
     model_source,
 )
+from pareprop.chunking import tracing_distinct_chunks
 from pareprop.engine import set_chunking
 from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.measure import apply_engine, tracked_peak
@@ -200,7 +201,9 @@ def plan_memory(
         if memory_budget is not None:
             _store_for_budget(model, inputs, memory_budget, engine, dtype)
         set_chunking(model, max_bytes=size)
-        with _planning_values():
+        # Each chunked branch traces only its distinct chunks: the same peak, in a fraction of
+        # the time (NOTE [ Planning a chunked branch from its distinct chunks ]).
+        with _planning_values(), tracing_distinct_chunks():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
@@ -344,10 +347,11 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 
 # NOTE [ The largest batch with chunk_bytes="auto" ]
 #     "auto" plans five chunkings of a batch (NOTE [ Choosing the chunk size ]), and a plan's
-#     time is its number of chunk graphs traced: the 1/32 fraction alone takes about six minutes
-#     at ViT-B's 80 GiB batches here, and a search that chose afresh at every batch it tried
-#     was estimated at 40 minutes (BENCHMARKS.md, 2026-12-04). Two facts make most of those
-#     plans unnecessary:
+#     time is its number of chunk graphs traced: before a plan traced only the distinct chunks
+#     (NOTE [ Planning a chunked branch from its distinct chunks ] in chunking.py), the 1/32
+#     fraction alone took about six minutes at ViT-B's 80 GiB batches here, and a search that
+#     chose afresh at every batch it tried was estimated at 40 minutes (BENCHMARKS.md,
+#     2026-12-04). Two facts make most of those plans unnecessary:
 #
 #     * The candidates are fractions of one stream map, which is proportional to the batch, so
 #       with the fraction held, every branch has the same number of chunks at every batch and
@@ -446,12 +450,19 @@ def _chord_search(peak: Callable[[int], int], memory_bytes: int, known: Dict[int
             known[b] = peak(b)
         return known[b]
 
+    width = None  # the bracket's width before the last step
     for _ in range(tries):
         lo, hi = bracket()
         if (hi is not None and hi - lo <= 1) or lo >= MAX_BATCH:
             break
         p_lo = known[lo] if lo else intercept
-        if hi is not None:
+        # A chord that did not halve the bracket meets a peak that is not affine there (a
+        # jump between two batches): it would close in one batch a plan, so bisect once.
+        halve = hi is not None and width is not None and hi - lo > width / 2
+        width = None if hi is None else hi - lo
+        if halve:
+            guess = (lo + hi) / 2
+        elif hi is not None:
             slope = (known[hi] - p_lo) / (hi - lo)
             guess = lo + (memory_bytes - p_lo) / slope if slope > 0 else (lo + hi) / 2
         else:
