@@ -9,8 +9,8 @@ import torch
 
 import pareprop
 from pareprop import chunking
-from pareprop import engine as engine_module
 from pareprop.catalog import ModelRequest, build_model, example_inputs
+from pareprop.engine import chunked as engine_chunked
 from pareprop.layers import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
 from pareprop.memory import plan as plan_module
@@ -105,7 +105,7 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
     kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, grad_checkpointing=ckpt,
               **FAMILIES[name])
     traced, every, blocks = [], [], []
-    real_distinct, real_traced = engine_module.distinct_chunks, recompute._traced
+    real_distinct, real_traced = engine_chunked.distinct_chunks, recompute._traced
 
     def counted(pieces):
         run = real_distinct(pieces)
@@ -118,7 +118,7 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
         blocks.append((len(run), len(pieces)))
         return run
 
-    monkeypatch.setattr(engine_module, "distinct_chunks", counted)
+    monkeypatch.setattr(engine_chunked, "distinct_chunks", counted)
     monkeypatch.setattr(recompute, "_traced", counted_blocks)
     distinct = plan_memory(name, 6, engine, **kw)
     assert sum(traced) < sum(every) and max(traced) <= 4

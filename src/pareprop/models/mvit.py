@@ -342,7 +342,7 @@ class MViTStage(nn.Module):
             else:
                 B, H, W, C = x.shape
                 grid = (H, W)
-            t = x.reshape(B, -1, C)  # (B, N, C)
+            t = x.flatten(1, -2)  # (B, N, C); flatten, not reshape(B, -1, C): B may be 0
             y1, y2 = self.stack(t, t, hw=grid)
             x = torch.cat([y1, y2], dim=-1).view(B, *grid, 2 * C)  # (B, *map, 2C)
         return x
