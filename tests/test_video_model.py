@@ -194,3 +194,14 @@ def test_torchvision_baseline_checkpointing_keeps_gradients():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="only mvit_v1_b"):
         create_torchvision_video("mvit_v2_s", num_frames=8)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_chunked_branches_match_autograd(float64_seeded, chunks):
+    # The video blocks are Rev-MViT v1's, which split F over samples and G over tokens; with
+    # the transitions checkpointed they chunk too, as the stack does.
+    model = _tiny()
+    model.set_grad_checkpointing()
+    pareprop.set_chunking(model, chunks=chunks)
+    (x,) = model.example_inputs(3, dtype=torch.float64)
+    _check(model, x)
