@@ -409,11 +409,128 @@ def test_headline_largest_batch_is_exact_in_a_few_plans(monkeypatch, known, memo
     assert len(plans) <= most, plans
 
 
-def test_default_sweep_runs_the_checkpointed_competitor():
+def test_default_sweep_runs_the_checkpointed_competitor_and_chunked_branches():
     config = bench.default_config()
     assert "checkpointed" in config.engines and config.models == ("rev_vit_tiny_patch16_224",)
-    assert {j.engine for j in bench.sweep_jobs(config)} == {
-        "autograd", "reversible", "pareprop", "checkpointed"}
+    jobs = bench.sweep_jobs(config)
+    labels = [catalog.engine_label(vars(j)) for j in jobs]
+    assert set(labels) == {"autograd", "reversible", "reversible_chunked", "pareprop",
+                           "checkpointed"}
+    chunked = [j for j, label in zip(jobs, labels) if label == "reversible_chunked"]
+    assert chunked and all(j.engine == "reversible" and j.chunk_bytes == config.chunked_variant
+                           for j in chunked)
+    # a group (depth, batch) runs together, so its engines can be timed round robin after
+    groups = [(j.depth, j.batch_size) for j in jobs]
+    assert groups == sorted(groups) and config.interleave
+    # --chunk-bytes chunks every reversible engine already: no second, identical variant
+    config.chunk_bytes = "1MiB"
+    assert "reversible_chunked" in {catalog.engine_label(vars(j)) for j in bench.sweep_jobs(config)}
+    assert sum(j.engine == "reversible" for j in bench.sweep_jobs(config)) == len(chunked)
+
+
+def _headline_group(chunk_ms=150.0):
+    chunked = _headline_rec("reversible", chunk_ms, 800, 900)
+    chunked["chunk_bytes"] = "1MiB"
+    return [_headline_rec("autograd", 100.0, 2200, 1500),
+            _headline_rec("checkpointed", 125.0, 1300, 1100),
+            _headline_rec("reversible", 138.0, 1000, 1000), chunked]
+
+
+def test_headline_says_what_chunking_buys(monkeypatch):
+    from pareprop.bench import results
+
+    records = _headline_group()
+    line = bench.format_headline(records, plan_largest=False)
+    assert line.startswith("depth 24: reversible keeps 2.2x less peak memory than autograd")
+    assert ("; chunked branches (1MiB a chunk) keep 1.2x less peak memory than whole ones and "
+            "1.6x less than checkpointing (planned; measured 1.1x less and 1.2x less), at 1.09x "
+            "whole branches' step time") in line
+    seen = []
+
+    def fake_largest(name, engine, memory, known, chunk_bytes=None, **kw):
+        seen.append((engine, chunk_bytes))
+        return {"reversible": 300 if chunk_bytes else 200, "checkpointed": 150,
+                "autograd": 100}[engine]
+
+    monkeypatch.setattr(results, "_planned_largest", fake_largest)
+    line = bench.format_headline(records)
+    assert line.endswith("largest batch in 16 GiB: reversible_chunked 300, reversible 200, "
+                         "checkpointed 150, autograd 100 (chunking buys 1.50x whole branches' "
+                         "batch, 2.00x checkpointed's)")
+    assert seen[0] == ("reversible", "1MiB") and seen[1] == ("reversible", None)
+    # every reversible record chunked (--chunk-bytes): they are the headline's reversible ones
+    line = bench.format_headline([records[0], records[1], records[3]], plan_largest=False)
+    assert line.startswith("depth 24: reversible keeps 2.8x less peak memory than autograd")
+    assert "chunked branches" not in line
+
+
+# --- interleaved timing (issue 34) -----------------------------------------------------------
+
+
+def _interleave_config(**kw):
+    return bench.BenchConfig(models=["bench_test_tiny_rev"],
+                             engines=["autograd", "reversible", "pareprop"], batch_sizes=[2],
+                             depths=[2], device="cpu", warmup=1, iters=3, plan=False,
+                             grad_check=False, activation=False, progress=False, isolate=False,
+                             **kw)
+
+
+def _fake_steps(monkeypatch, costs_ms, fail=None):
+    """Steps of the interleaved pass that log their engine and advance a fake clock."""
+    import importlib
+
+    measure_mod = importlib.import_module("pareprop.bench.measure")  # not bench.measure()
+    sweep_mod = importlib.import_module("pareprop.bench.sweep")
+    now = [0.0]
+    log = []
+
+    def make_step(job, device):
+        if fail is not None:
+            raise fail
+
+        def step():
+            log.append(job.engine)
+            now[0] += costs_ms[job.engine] / 1e3
+
+        return step
+
+    monkeypatch.setattr(measure_mod, "_make_step", make_step)
+    monkeypatch.setattr(measure_mod, "_clock", lambda: now[0])
+    monkeypatch.setattr(sweep_mod, "_can_reset_rss", lambda: True)
+    return log
+
+
+def test_records_carry_times_of_one_interleaved_round_robin_pass(monkeypatch):
+    costs = {"autograd": 10.0, "reversible": 20.0, "pareprop": 15.0}
+    log = _fake_steps(monkeypatch, costs)
+    seen = []
+    records = bench.run_bench(_interleave_config(), on_record=seen.append)
+    assert [r["status"] for r in records] == ["ok"] * 3 and seen == records
+    # one warm-up round, then three timed rounds: one step of each engine in turn
+    assert log == ["autograd", "reversible", "pareprop"] * 4
+    for r in records:
+        assert r["timing"] == "interleaved"
+        assert r["step_ms_median"] == pytest.approx(costs[r["engine"]])
+        assert r["step_ms_min"] == pytest.approx(costs[r["engine"]])
+        assert r["samples_per_s"] == pytest.approx(2e3 / costs[r["engine"]])
+        assert r["step_ms_sequential"] > 0  # the configuration's own steps, kept beside
+    ratios = {s["engine"]: s["time_ratio"] for s in bench.ratio_summary(records)}
+    assert ratios == pytest.approx({"reversible": 2.0, "pareprop": 1.5})
+
+
+def test_interleaving_falls_back_to_sequential_times_marked(monkeypatch):
+    _fake_steps(monkeypatch, {}, fail=RuntimeError("CUDA out of memory (simulated)"))
+    records = bench.run_bench(_interleave_config())
+    assert {r["timing"] for r in records} == {"sequential (out of memory)"}
+    assert all(r["step_ms_median"] == r["step_ms_sequential"] for r in records)
+    records = bench.run_bench(dataclasses.replace(_interleave_config(), engines=["reversible"]))
+    assert [r["timing"] for r in records] == ["sequential (single engine)"]
+    import importlib
+
+    sweep_mod = importlib.import_module("pareprop.bench.sweep")
+    pending = [(None, {"status": "ok", "step_ms_median": 3.0}) for _ in range(2)]
+    sweep_mod._interleave(pending, _interleave_config(), isolate=True, budget_spent=False)
+    assert [r["timing"] for _, r in pending] == ["sequential (isolated)"] * 2
 
 
 @pytest.mark.slow  # a whole sweep through the CLI

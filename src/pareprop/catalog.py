@@ -158,9 +158,13 @@ def engine_budgets(engines: Sequence[str], budgets: Sequence[Any]) -> List[Tuple
 def engine_label(record: Dict[str, Any]) -> str:
     """The engine of a record as tables and plots show it: ``reversible``; under a memory
     budget (``pareprop bench --memory-budgets``) ``reversible@0.5``; with the non-reversible
-    blocks checkpointed (``--grad-checkpointing``) ``reversible+ckpt``."""
+    blocks checkpointed (``--grad-checkpointing``) ``reversible+ckpt``; with chunked branches
+    (``chunk_bytes``) ``reversible_chunked``, as ``benchmarks/gpu_sweep.py`` names them."""
     budget = record.get("memory_budget")
-    label = record["engine"] if budget is None else f"{record['engine']}@{budget:g}"
+    engine = record["engine"]
+    if record.get("chunk_bytes") is not None:
+        engine += "_chunked"
+    label = engine if budget is None else f"{engine}@{budget:g}"
     return label + "+ckpt" if record.get("grad_checkpointing") else label
 
 

@@ -57,6 +57,13 @@ class BenchConfig:
         chunk_bytes: the reversible engines rebuild and differentiate each block's branches
             in chunks whose graphs save at most this many bytes (``pareprop.set_chunking``;
             ``None``: whole branches); planned peaks are planned so too.
+        chunked_variant: also run engine ``reversible`` with chunked branches of this size
+            (records with ``chunk_bytes`` set, labelled ``reversible_chunked``) beside the
+            whole-branch one; ``None``: no such variant. Ignored when ``chunk_bytes`` already
+            chunks every reversible engine.
+        interleave: time the engines of each (model, depth, seq_len, batch) group again
+            together, round robin, and replace their step times with those medians (see
+            NOTE [ Interleaved timing ] in pareprop/bench/sweep.py).
         progress: show a tqdm progress bar over configurations.
         threads: ``torch.set_num_threads`` during each measurement; ``None`` keeps torch's.
             One thread gives steadier CPU timings on a shared machine, where OpenMP threads
@@ -89,6 +96,8 @@ class BenchConfig:
     compile: bool = False
     grad_checkpointing: bool = False
     chunk_bytes: int | str | None = None
+    chunked_variant: int | str | None = None
+    interleave: bool = True
     progress: bool = True
     threads: int | None = None
     time_budget_s: float | None = None
@@ -135,8 +144,9 @@ class BenchConfig:
             raise ValueError(
                 f"expected warmup >= 0 and iters >= 1, got warmup={self.warmup} iters={self.iters}"
             )
-        if self.chunk_bytes is not None:
-            parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
+        for size in (self.chunk_bytes, self.chunked_variant):
+            if size is not None:
+                parse_chunking(max_bytes=size)  # a bad size is refused here
         if self.grad_checkpointing:
             plain = [m for m in self.models if not model_facts(m).reversible]
             if plain:
@@ -178,7 +188,11 @@ def default_config() -> BenchConfig:
     batch 16 the activations autograd keeps outweigh parameters, gradients and AdamW state
     (1.7x at depth 24), as they do when a model does not fit a GPU, so the whole step's peak
     shows what reversibility saves; reversible and checkpointing each cost about one extra
-    forward.
+    forward. Engine ``reversible`` also runs with chunked branches of at most 1 MiB saved per
+    chunk (``reversible_chunked``, :func:`pareprop.set_chunking`), today's other memory lever:
+    it caps a block's transient, which sets the peak at large batches. Each batch's engines
+    are timed again together, round robin (``timing: "interleaved"``), so their time ratios
+    hold on a busy machine.
     """
     return BenchConfig(
         models=("rev_vit_tiny_patch16_224",),
@@ -190,4 +204,5 @@ def default_config() -> BenchConfig:
         warmup=1,
         iters=3,
         threads=1,
+        chunked_variant="1MiB",
     )

@@ -51,6 +51,12 @@ RECORD_FIELDS = (
     # models without a pareprop stack.
     "schedule",
     "grad_rel_err",
+    # How the step times were measured: "interleaved" (the group's engines round robin, one
+    # timed step each in turn, medians; see NOTE [ Interleaved timing ] in bench/sweep.py), or
+    # "sequential (why)" where this configuration's own steps are the times.
+    "timing",
+    # The median of this configuration's own timed steps (before interleaving replaced it).
+    "step_ms_sequential",
     "status",
 )
 

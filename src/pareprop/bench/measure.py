@@ -11,7 +11,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ from pareprop.compile import compile_blocks
 from pareprop.engine import ReversibleStack, chosen_schedule, set_chunking
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
-__all__ = ["measure"]
+__all__ = ["measure", "time_interleaved"]
 
 
 @dataclass
@@ -167,8 +167,6 @@ def _empty_record(job: _Job) -> Dict[str, Any]:
 
 
 def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
-    facts = model_facts(job.model)
-    request = job.request()
     cpu_reset = device.type == "cpu" and _can_reset_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -178,47 +176,8 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
             _reset_rss_peak()
         mem_before = _rss_peak_bytes()
 
-    torch.manual_seed(job.seed)
-    model = build_model(request, facts).to(device).train()
-    set_chunking(model, max_bytes=job.chunk_bytes)
-    out["params"] = sum(p.numel() for p in model.parameters())
-    out["depth"] = job.depth if job.depth is not None else model_depth(model)
-    inputs = example_inputs(model, request, job.batch_size, device, facts)
+    model, inputs, step = _setup(job, device, out)
     text = not inputs[0].is_floating_point()
-    if facts.source == "pareprop" and model.cfg is not None and hasattr(model.cfg, "img_size"):
-        out["img_size"] = _side(model.cfg.img_size)
-    elif not text:
-        out["img_size"] = int(inputs[0].shape[-1])
-    if text:
-        out["seq_len"] = int(inputs[0].shape[1])
-        out["img_size"] = None
-    if job.memory_budget is not None:
-        out["stored_blocks"] = _apply_budget(model, inputs, job, device)
-    if job.compile:  # after the budget, which measures the blocks eagerly
-        compile_blocks(model)
-    _force_schedule(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    scaler = None
-    if job.amp == "fp16" and device.type == "cuda":
-        scaler = _grad_scaler()
-
-    with torch.no_grad():
-        logits = catalog.logits(model(*inputs))
-    target = torch.randint(0, logits.shape[-1], logits.shape[:-1], device=device)
-    del logits
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with _autocast(device, job.amp):
-            logits = catalog.logits(model(*inputs))
-        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
 
     for _ in range(job.warmup):
         stop.check()
@@ -235,6 +194,7 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         times.append((time.perf_counter() - t0) * 1e3)
 
     out["schedule"] = chosen_schedule(model)
+    optimizer = step.optimizer
     if device.type == "cuda":
         out["alloc_retries"] = _alloc_retries(device) - retries_before
         out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device) - mem_before)
@@ -271,6 +231,107 @@ def _measure_into(job: _Job, device: torch.device, out: Dict[str, Any]) -> None:
         small = tuple(t[: min(2, job.batch_size)] for t in inputs)
         out["grad_rel_err"] = grad_rel_err(model, small, job.engine, seed=job.seed)
 
+
+
+def _setup(job: _Job, device: torch.device, out: Dict[str, Any]):
+    """Build the configuration's model (seeded), its inputs and one training step; ``out``
+    gets the fields known before the first step. Returns ``(model, inputs, step)``; the
+    step's optimizer is ``step.optimizer``."""
+    facts = model_facts(job.model)
+    request = job.request()
+    torch.manual_seed(job.seed)
+    model = build_model(request, facts).to(device).train()
+    set_chunking(model, max_bytes=job.chunk_bytes)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["depth"] = job.depth if job.depth is not None else model_depth(model)
+    inputs = example_inputs(model, request, job.batch_size, device, facts)
+    text = not inputs[0].is_floating_point()
+    if facts.source == "pareprop" and model.cfg is not None and hasattr(model.cfg, "img_size"):
+        out["img_size"] = _side(model.cfg.img_size)
+    elif not text:
+        out["img_size"] = int(inputs[0].shape[-1])
+    if text:
+        out["seq_len"] = int(inputs[0].shape[1])
+        out["img_size"] = None
+    if job.memory_budget is not None:
+        out["stored_blocks"] = _apply_budget(model, inputs, job, device)
+    if job.compile:  # after the budget, which measures the blocks eagerly
+        compile_blocks(model)
+    _force_schedule(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    scaler = None
+    if job.amp == "fp16" and device.type == "cuda":
+        scaler = _grad_scaler()
+
+    with torch.no_grad():
+        logits = catalog.logits(model(*inputs))
+    torch.manual_seed(job.seed)  # the same targets for every engine of a batch
+    target = torch.randint(0, logits.shape[-1], logits.shape[:-1], device=device)
+    del logits
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device, job.amp):
+            logits = catalog.logits(model(*inputs))
+        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+    step.optimizer = optimizer  # type: ignore[attr-defined]
+    return model, inputs, step
+
+
+# The clock of the interleaved timing (tests inject their own).
+_clock = time.perf_counter
+
+
+def _make_step(job: _Job, device: torch.device):
+    """One configuration's training step, ready to time (its model held by the closure)."""
+    return _setup(job, device, {})[2]
+
+
+def time_interleaved(jobs: Sequence[_Job]) -> List[List[float]]:
+    """Step milliseconds of several configurations, timed round robin.
+
+    Builds every job's model (each seeded as :func:`measure` seeds it, so the same weights,
+    inputs and targets), runs the warm-up steps, then ``iters`` rounds of one timed step per
+    job in turn, so a burst of load on a shared machine falls on every engine alike. All the
+    models are alive at once: this measures time only, never memory. Raises what a step
+    raises (an out-of-memory included).
+
+    Returns:
+        Per job, its timed steps in milliseconds.
+    """
+    device = torch.device(jobs[0].device)
+    steps: List[Any] = []
+    times: List[List[float]] = [[] for _ in jobs]
+    with _frozen_gc(), _num_threads(jobs[0].threads):
+        _free_memory(device)
+        try:
+            for job in jobs:
+                stop.check()
+                steps.append(_make_step(job, device))
+            for _ in range(max(job.warmup for job in jobs)):
+                for step in steps:
+                    stop.check()
+                    step()
+            for _ in range(max(job.iters for job in jobs)):
+                for step, out in zip(steps, times):
+                    stop.check()
+                    _sync(device)
+                    t0 = _clock()
+                    step()
+                    _sync(device)
+                    out.append((_clock() - t0) * 1e3)
+        finally:
+            steps.clear()
+            _free_memory(device)
+    return times
 
 
 def _force_schedule(model: nn.Module) -> None:

@@ -145,6 +145,7 @@ def _config(args: argparse.Namespace):
         config.models = _split(args.models)
         # Another model's depth and size are its own unless asked for.
         config.depths, config.img_size = (None,), None
+        config.chunked_variant = None  # the default sweep's reversible_chunked, too
     if args.engines is not None:
         config.engines = _split(args.engines)
     if args.memory_budgets is not None:
