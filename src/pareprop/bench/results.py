@@ -399,8 +399,8 @@ def _planned_largest(name: str, engine: str, memory_bytes: int, known: Dict[int,
 def _amount(ratio: float | None) -> str:
     """A ratio ``other's memory / ours`` in words: ``2.2x less``, ``1.3x more`` (never "0.8x
     less"), ``about as much`` where it rounds to 1.0x either way, ``-`` when unknown."""
-    if ratio is None:
-        return "-"
+    if ratio is None or not 0 < ratio < math.inf:
+        return "-"  # unknown, or a measured peak of 0 (tiny models' RSS may not grow)
     if f"{ratio:.1f}" == "1.0" or f"{1 / ratio:.1f}" == "1.0":
         return "about as much"
     return f"{ratio:.1f}x less" if ratio > 1 else f"{1 / ratio:.1f}x more"

@@ -44,7 +44,8 @@ def sweep_jobs(config: BenchConfig) -> List[_Job]:
         for depth in config.depths:
             for seq_len in seq_lens:
                 # A group (model, depth, seq_len, batch) runs together, so its engines can be
-                # timed again round robin after their own measurements (NOTE below).
+                # timed again round robin after their own measurements
+                # (NOTE [ Interleaved timing ] below).
                 for bs in sorted(config.batch_sizes):
                     for engine, budget, chunk in variants:
                         jobs.append(
