@@ -113,3 +113,23 @@ def test_graph_bytes_leaves_nothing_alive():
     assert graph_bytes(build) == 2 * 64 * 64 * 4
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_rev_vit_head_in_chunks_keeps_no_whole_2c_map(monkeypatch):
+    # NOTE [ Rev-ViT's head in chunks ]: with the stack chunked, the head's LayerNorm over the
+    # 2C concatenation runs a chunk of samples at a time under checkpointing. Run whole, as
+    # before, it keeps the concatenation and makes two more maps of its size in backward; at
+    # this tiny size other maps share the peak, so a third of a 2C map is what shows.
+    torch.manual_seed(0)
+    model = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=64, depth=2, num_heads=4,
+                                  num_classes=10)
+    pareprop.set_engine(model, "reversible")
+    pareprop.set_chunking(model, chunks=16)
+    x = torch.randn(64, 3, 32, 32)
+    chunked = pareprop.memory_report(model, x, optimizer="sgd").peak
+    with monkeypatch.context() as m:  # the head as it was: whole, under autograd
+        m.setattr(type(model), "forward",
+                  lambda self, x: self.forward_head(self.forward_features(x)))
+        whole = pareprop.memory_report(model, x, optimizer="sgd").peak
+    two_c_map = 64 * 64 * 128 * 4  # batch x tokens x 2C, float32
+    assert whole - chunked > 0.25 * two_c_map, (whole - chunked) / two_c_map

@@ -58,7 +58,7 @@ from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
 from pareprop.models.mvit import MViTStage
 from pareprop.models.published import PretrainedError, detect_layout
-from pareprop.models.rev_mvit import RevMViTv1Block
+from pareprop.models.rev_mvit import RevMViTv1Block, _block_paths  # the same stage layout
 
 __all__ = [
     "RevMViTVideoConfig",
@@ -393,16 +393,6 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
     def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
         return checkpoint_filter_fn(state, self)
-
-
-def _block_paths(plans: List[_Stage]) -> List[str]:
-    paths: Dict[int, str] = {}
-    for s, p in enumerate(plans):
-        if p.transition is not None:
-            paths[p.transition] = f"stages.{s}.transition"
-        for j, i in enumerate(p.reversible):
-            paths[i] = f"stages.{s}.stack.blocks.{j}"
-    return [paths[i] for i in sorted(paths)]
 
 
 _RENAMES = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp."}
