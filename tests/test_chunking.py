@@ -416,7 +416,7 @@ def test_skip_scale_with_chunks(count):
 # Rev-MViTv2's transitions (drop-path on) split over samples; Rev-Swin's merging over samples
 # and its fusion over the 15 rows of an odd 30 px map. Batch 8: 7 chunks leave an uneven one.
 CHECKPOINTED = {"mvit": "rev_mvitv2_tiny_32", "swin": "rev_swin_tiny_32",
-                "rev_mvit": "rev_mvit_base"}
+                "rev_mvit": "rev_mvit_base", "video": "rev_mvit_base_16x4"}
 
 
 def _spy_checkpoint_chunks(monkeypatch):
@@ -462,7 +462,7 @@ def test_checkpointed_blocks_in_chunks_equal_plain_autograd(family, count, engin
         assert seen == []
         return
     blocks = {"mvit": {"MViTTransitionBlock"}, "swin": {"PatchMerging", "StreamFusion"},
-              "rev_mvit": {"RevMViTv1Transition"}}[family]
+              "rev_mvit": {"RevMViTv1Transition"}, "video": {"RevMViTVideoTransition"}}[family]
     assert {cls for cls, _, _ in seen} == blocks
     assert all(c == min(count, size) for _, size, c in seen)
     if count == 7:

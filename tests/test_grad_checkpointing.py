@@ -157,3 +157,40 @@ def test_features_only_backbone_checkpoints_with_the_same_gradients(name):
     assert grads[0].keys() == grads[1].keys()
     bad = _gradient_errors(grads[1], grads[0])
     assert not bad, bad
+
+
+def _saved_during_forward(model, x):
+    """Every tensor autograd saves in a bf16-autocast forward, and each stack's output streams."""
+    saved, ends = [], []
+    hooks = [s.register_forward_hook(lambda m, a, out: ends.append(out))
+             for s in model.modules() if isinstance(s, pareprop.ReversibleStack)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return saved, ends
+
+
+@pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32", "rev_mvit_base", "rev_mvit_base_16x4"])
+def test_checkpointed_mvits_keep_each_stage_end_once(name):
+    # NOTE [ Stage ends kept once ]: a transition (or the last norm) joins the previous
+    # stack's streams inside its checkpoint, so what is kept is the streams, which the engine
+    # keeps anyway, not their concatenation beside them; and the checkpointed stem keeps the
+    # images, not autocast's bfloat16 copy. Fails if stages hand on joined maps.
+    model = _model(name, engine="reversible").float()
+    model.set_grad_checkpointing()
+    (x,) = model.example_inputs(2)
+    x.requires_grad_(True)
+    saved, ends = _saved_during_forward(model, x)
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    assert len(ends) >= 2
+    for y1, y2 in ends:
+        for y in (y1, y2):
+            assert y.untyped_storage().data_ptr() in storages  # the streams are kept...
+        joined = [t for t in saved
+                  if t.numel() == 2 * y1.numel() and t.shape[-1] == 2 * y1.shape[-1]]
+        assert not joined, [tuple(t.shape) for t in joined]  # ...and not their join
+    assert not [t for t in saved if t.dtype == torch.bfloat16 and t.shape == x.shape]

@@ -14,15 +14,50 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.models._features import FeatureGetterNet, feature_take_indices
 
-__all__ = ["StageFeatureNet", "StageFeaturesMixin", "check_output_fmt"]
+__all__ = [
+    "StageEnd",
+    "StageFeatureNet",
+    "StageFeaturesMixin",
+    "check_output_fmt",
+    "join_streams",
+    "stage_map",
+]
 
 Indices = Optional[Union[int, Sequence[int]]]
+
+
+class StageEnd(NamedTuple):
+    """A stage's end as its stack leaves it: two streams ``(B, N, C)`` over a map ``grid``.
+
+    NOTE [ Stage ends kept once ]
+    The engines keep a stack's two output streams for backward, and a checkpointed transition
+    keeps its input. Were that input the streams' concatenation, every stage end would be kept
+    twice: in the video model's first stage (25,088 tokens a clip) 18.4 MiB a clip beside the
+    streams' own 18.4, half of everything kept. So stages hand each other the streams, and the
+    next transition joins them inside its checkpoint (maybe_checkpoint's ``join``), keeping
+    only the streams; the joined map is made where a caller needs it (:func:`stage_map`: a
+    feature, the last norm, the head)."""
+
+    y1: torch.Tensor
+    y2: torch.Tensor
+    grid: Tuple[int, ...]  # (H, W) or (T, H, W)
+
+
+def join_streams(y1: torch.Tensor, y2: torch.Tensor, grid: Tuple[int, ...]) -> torch.Tensor:
+    """Two streams ``(B, N, C)`` side by side as the map ``(B, *grid, 2C)``."""
+    # B and C from the streams, not -1: B may be 0.
+    return torch.cat([y1, y2], dim=-1).view(y1.shape[0], *grid, 2 * y1.shape[-1])
+
+
+def stage_map(x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
+    """A stage's output as a channels-last map (a :class:`StageEnd` joined)."""
+    return join_streams(*x) if isinstance(x, StageEnd) else x
 
 
 def check_output_fmt(output_fmt: str) -> None:
@@ -86,13 +121,16 @@ class StageFeaturesMixin:
         for i, stage in enumerate(self.stages):
             if stop_early and i > max_index:
                 break
-            x = stage(x)
+            # Stages that hand on their streams (NOTE [ Stage ends kept once ]) are chained
+            # so; a feature is the joined map.
+            x = stage.forward_ends(x) if hasattr(stage, "forward_ends") else stage(x)
             if i in take:
-                y = self.norm(x) if norm and i == last else x
+                y = stage_map(x)
+                y = self.norm(y) if norm and i == last else y
                 features.append(y.movedim(-1, 1).contiguous() if output_fmt == "NCHW" else y)
         if intermediates_only:
             return features
-        return (self._end(x) if i == last else x), features
+        return (self._end(x) if i == last else stage_map(x)), features
 
     def prune_intermediate_layers(
         self, indices: Indices = 1, prune_norm: bool = False, prune_head: bool = True

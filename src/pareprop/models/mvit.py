@@ -20,15 +20,16 @@ keyword ``hw=(H, W)``; outside, the model keeps channels-last maps ``(B, H, W, C
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from pareprop.chunking import Chunk, Split
+from pareprop.chunking import Chunk, Chunking, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import (
     Mlp,
@@ -49,7 +50,7 @@ from pareprop.models._base import (
     make_head,
     stage_group_matcher,
 )
-from pareprop.models._features import StageFeaturesMixin
+from pareprop.models._features import StageEnd, StageFeaturesMixin, join_streams, stage_map
 from pareprop.models._registry import register_model
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "RevMViTBlock",
     "MViTTransitionBlock",
     "MViTStage",
+    "checkpoint_stage_end",
     "MVIT_CONFIGS",
 ]
 
@@ -315,10 +317,32 @@ class MViTTransitionBlock(nn.Module):
         return x + drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk, dim=0), chunk, dim=0)
 
 
+def checkpoint_stage_end(
+    module: nn.Module,
+    x: Union[torch.Tensor, StageEnd],
+    enabled: bool,
+    chunking: Optional[Chunking] = None,
+) -> torch.Tensor:
+    """``module(stage_map(x))``, checkpointed when ``enabled`` so that it keeps the streams
+    and not their join (NOTE [ Stage ends kept once ])."""
+    if isinstance(x, StageEnd):
+        return maybe_checkpoint(
+            module,
+            (x.y1, x.y2),
+            enabled,
+            chunking,
+            join=functools.partial(join_streams, grid=x.grid),
+        )
+    return maybe_checkpoint(module, x, enabled, chunking)
+
+
 class MViTStage(nn.Module):
     """An optional transition block, then an optional reversible stack; ``(B, H, W, C) ->
     (B, H', W', C')`` with C' = 2C when the stage has reversible blocks. Video maps
-    ``(B, T, H, W, C)`` pass the same way (the stack gets ``hw=(T, H, W)``)."""
+    ``(B, T, H, W, C)`` pass the same way (the stack gets ``hw=(T, H, W)``).
+
+    The models chain :meth:`forward_ends`, which takes and gives :class:`StageEnd` streams
+    (NOTE [ Stage ends kept once ]); ``forward`` gives the joined map."""
 
     def __init__(
         self, transition: nn.Module | None, stack: ReversibleStack | None, map_dims: int = 2
@@ -330,22 +354,29 @@ class MViTStage(nn.Module):
         # The transition under activation checkpointing (RevMViT.set_grad_checkpointing).
         self.grad_checkpointing = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
+        return stage_map(self.forward_ends(x))
+
+    def forward_ends(self, x: Union[torch.Tensor, StageEnd]) -> Union[torch.Tensor, StageEnd]:
+        """A map or the previous stage's end to this stage's end (its map without a stack)."""
         # The transition recomputes in chunks as the stack's branches do (set_chunking).
         chunking = None if self.stack is None else self.stack.chunking
-        x = maybe_checkpoint(self.transition, x, self.grad_checkpointing, chunking)
-        if self.stack is not None:
-            # Unpacked to a fixed length, so that torch.fx can trace it.
-            if self.map_dims == 3:
-                B, T, H, W, C = x.shape
-                grid: Tuple[int, ...] = (T, H, W)
-            else:
-                B, H, W, C = x.shape
-                grid = (H, W)
-            t = x.flatten(1, -2)  # (B, N, C); flatten, not reshape(B, -1, C): B may be 0
-            y1, y2 = self.stack(t, t, hw=grid)
-            x = torch.cat([y1, y2], dim=-1).view(B, *grid, 2 * C)  # (B, *map, 2C)
-        return x
+        if self.transition is None:
+            x = stage_map(x)
+        else:
+            x = checkpoint_stage_end(self.transition, x, self.grad_checkpointing, chunking)
+        if self.stack is None:
+            return x
+        # Unpacked to a fixed length, so that torch.fx can trace it.
+        if self.map_dims == 3:
+            B, T, H, W, C = x.shape
+            grid: Tuple[int, ...] = (T, H, W)
+        else:
+            B, H, W, C = x.shape
+            grid = (H, W)
+        t = x.flatten(1, -2)  # (B, N, C); flatten, not reshape(B, -1, C): B may be 0
+        y1, y2 = self.stack(t, t, hw=grid)
+        return StageEnd(y1, y2, grid)
 
 
 class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
@@ -475,16 +506,18 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, min_size=self.min_size)
-        return self.patch_embed(x)  # (B, H, W, C)
+        # Checkpointed, the stem keeps the images (which the caller holds anyway), not
+        # autocast's low-precision copy of them.
+        return maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H, W, C)
 
-    def _end(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # the norm acts on the pooled features, in forward_head
+    def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
+        return stage_map(x)  # the norm acts on the pooled features, in forward_head
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the last stage's map ``(B, H', W', num_features)``."""
         x = self._stem(x)
         for stage in self.stages:
-            x = stage(x)
+            x = stage.forward_ends(x)
         return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -44,6 +44,7 @@ from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.layers import Mlp, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
+from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     ReversibleImageModelMixin,
     drop_path_rates,
@@ -51,9 +52,9 @@ from pareprop.models._base import (
     make_head,
     stage_group_matcher,
 )
-from pareprop.models._features import StageFeaturesMixin
+from pareprop.models._features import StageEnd, StageFeaturesMixin
 from pareprop.models._registry import register_model
-from pareprop.models.mvit import MViTStage
+from pareprop.models.mvit import MViTStage, checkpoint_stage_end
 from pareprop.models.published import PretrainedError, detect_layout
 
 __all__ = [
@@ -365,17 +366,18 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
-        x = self.patch_embed(x)  # (B, H, W, C)
+        x = maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H, W, C)
         return x + self.pos_embed.view(1, *self.grid_size, -1)
 
-    def _end(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)  # per token, as published (before the mean)
+    def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
+        # Per token, as published (before the mean).
+        return checkpoint_stage_end(self.norm, x, self.grad_checkpointing)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the normalised last map ``(B, H', W', num_features)``."""
         x = self._stem(x)
         for stage in self.stages:
-            x = stage(x)
+            x = stage.forward_ends(x)
         return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -424,14 +426,19 @@ def checkpoint_filter_fn(
             "Rev-MViT-B 16x4 (create 'rev_mvit_base_16x4'), not the image model"
         )
     paths = model.block_paths()
-    renames = {"F.norm.": "norm1.", "F.attn.": "attn.", "G.norm.": "norm2.", "G.mlp.": "mlp.",
-               "pre_q_fuse.fuse_fn.": "fuse."}
+    renames = {
+        "F.norm.": "norm1.",
+        "F.attn.": "attn.",
+        "G.norm.": "norm2.",
+        "G.mlp.": "mlp.",
+        "pre_q_fuse.fuse_fn.": "fuse.",
+    }
     prefix = "rev_backbone.layers."
     out: Dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         new = key
         if key.startswith(prefix):
-            i, rest = key[len(prefix):].split(".", 1)
+            i, rest = key[len(prefix) :].split(".", 1)
             if not i.isdigit() or int(i) >= len(paths):
                 raise PretrainedError(
                     f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
@@ -439,11 +446,11 @@ def checkpoint_filter_fn(
                 )
             for old, ours in renames.items():
                 if rest.startswith(old):
-                    rest = ours + rest[len(old):]
+                    rest = ours + rest[len(old) :]
                     break
             new = f"{paths[int(i)]}.{rest}"
         elif key.startswith("head.projection."):
-            new = "head." + key[len("head.projection."):]
+            new = "head." + key[len("head.projection.") :]
         if value.ndim == 5 and value.shape[2] == 1:
             value = value.squeeze(2)  # Conv3d over one frame -> Conv2d
         out[new] = value

@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.layers import Mlp, trunc_normal_
 
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleStack
 from pareprop.layers import PatchEmbed, make_config
-from pareprop.layers.drop import DropPath
+from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
+from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     ReversibleModelMixin,
     drop_path_rates,
@@ -54,9 +56,9 @@ from pareprop.models._base import (
     make_head,
     stage_group_matcher,
 )
-from pareprop.models._features import StageFeaturesMixin
+from pareprop.models._features import StageEnd, StageFeaturesMixin
 from pareprop.models._registry import register_model
-from pareprop.models.mvit import MViTStage
+from pareprop.models.mvit import MViTStage, checkpoint_stage_end
 from pareprop.models.published import PretrainedError, detect_layout
 from pareprop.models.rev_mvit import RevMViTv1Block, _block_paths  # the same stage layout
 
@@ -148,14 +150,16 @@ def _plan(cfg: RevMViTVideoConfig) -> List[_Stage]:
         if s > 0:
             width *= 2  # inside the transition (PySlowFast's DIM_MUL 2.0)
             kv = tuple(max(k // q, 1) for k, q in zip(kv, cfg.q_stride))  # type: ignore[assignment]
-        plans.append(_Stage(
-            transition=a if s > 0 else None,
-            reversible=list(range(a + (s > 0), b)),
-            width_in=width_in,
-            width=width,
-            num_heads=cfg.num_heads * 2**s,
-            kv_stride=kv,
-        ))
+        plans.append(
+            _Stage(
+                transition=a if s > 0 else None,
+                reversible=list(range(a + (s > 0), b)),
+                width_in=width_in,
+                width=width,
+                num_heads=cfg.num_heads * 2**s,
+                kv_stride=kv,
+            )
+        )
     return plans
 
 
@@ -193,8 +197,14 @@ class RevMViTVideoTransition(nn.Module):
         self.res_proj = nn.Linear(dim, dim_out)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = MultiScaleAttention(
-            dim, num_heads, qkv_bias, pool_kernel, q_stride, kv_stride,
-            dim_out=dim_out, separate_qkv=False,
+            dim,
+            num_heads,
+            qkv_bias,
+            pool_kernel,
+            q_stride,
+            kv_stride,
+            dim_out=dim_out,
+            separate_qkv=False,
         )
         if self.attn.pool_q is None:
             raise ValueError(f"a transition pools its queries; got q_stride {q_stride}")
@@ -204,18 +214,28 @@ class RevMViTVideoTransition(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_chunk(x, None)
+
+    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
+    # pareprop/layers/recompute.py): the stream average, the pooled shortcut, pooling
+    # attention and the MLP all stay inside a clip.
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
+        """The block on ``chunk``'s clips of the batch (``None``: the whole batch)."""
         B, T, H, W, C2 = x.shape
         grid = (T, H, W)
         x = x.reshape(B, -1, C2)  # (B, N, 2C)
-        x = (x[..., : self.dim] + x[..., self.dim:]) / 2  # (B, N, C): PRE_Q_FUSION "avg"
+        x = (x[..., : self.dim] + x[..., self.dim :]) / 2  # (B, N, C): PRE_Q_FUSION "avg"
         # The shortcut is widened, then pooled by the attention's own query convolution and norm.
         shortcut, q_grid = pool_heads(
             self.attn.split_heads(self.res_proj(x)), grid, self.attn.pool_q, self.attn.norm_q
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, -1, self.attn.dim_out)  # (B, N', C')
         a, _ = self.attn(self.norm1(x), grid)  # (B, N', C')
-        x = shortcut + self.drop_path1(a)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
+        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
         return x.view(B, *q_grid, -1)  # (B, T', H', W', C')
 
 
@@ -267,7 +287,11 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
         self.in_chans = cfg.in_chans
         self.clip_size: Triple = (cfg.num_frames, cfg.img_size, cfg.img_size)
         self.patch_embed = PatchEmbed(
-            cfg.in_chans, cfg.embed_dim, cfg.patch_kernel, cfg.patch_stride, cfg.patch_padding,
+            cfg.in_chans,
+            cfg.embed_dim,
+            cfg.patch_kernel,
+            cfg.patch_stride,
+            cfg.patch_padding,
             flatten=False,
         )
         self.grid_size = grid = self.patch_embed.output_size(self.clip_size)  # (T', H', W')
@@ -290,22 +314,35 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
             transition = None
             if p.transition is not None:
                 transition = RevMViTVideoTransition(
-                    p.width_in, p.width, p.num_heads, cfg.q_stride, p.kv_stride,
-                    drop_path=dpr[p.transition], **common,
+                    p.width_in,
+                    p.width,
+                    p.num_heads,
+                    cfg.q_stride,
+                    p.kv_stride,
+                    drop_path=dpr[p.transition],
+                    **common,
                 )
             blocks = [
-                RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=dpr[i],
-                               separate_qkv=False, **common)
+                RevMViTv1Block(
+                    p.width,
+                    p.num_heads,
+                    p.kv_stride,
+                    drop_path=dpr[i],
+                    separate_qkv=False,
+                    **common,
+                )
                 for i in p.reversible
             ]
             stack = ReversibleStack(blocks, engine=cfg.engine)
             stages.append(MViTStage(transition, stack, map_dims=3))
             # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
-            self.feature_info.append({
-                "num_chs": 2 * p.width,
-                "reduction": cfg.patch_stride[1] * cfg.q_stride[1] ** s,
-                "module": f"stages.{s}",
-            })
+            self.feature_info.append(
+                {
+                    "num_chs": 2 * p.width,
+                    "reduction": cfg.patch_stride[1] * cfg.q_stride[1] ** s,
+                    "module": f"stages.{s}",
+                }
+            )
         self.stages = nn.ModuleList(stages)
         self._block_paths = _block_paths(plans)
 
@@ -341,8 +378,9 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
         self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
     ) -> Tuple[torch.Tensor]:
         """A random batch of clips ``(B, C, T, H, W)`` of the configured size."""
-        return (torch.randn(batch_size, self.cfg.in_chans, *self.clip_size, device=device,
-                            dtype=dtype),)
+        return (
+            torch.randn(batch_size, self.cfg.in_chans, *self.clip_size, device=device, dtype=dtype),
+        )
 
     # -- timm model interface -------------------------------------------------------------
 
@@ -366,21 +404,22 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_video(x, self.cfg.in_chans, self.clip_size)
-        x = self.patch_embed(x)  # (B, T, H, W, C)
+        x = maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, T, H, W, C)
         T, H, W = self.grid_size
         pos = self.pos_embed_spatial.view(1, 1, H, W, -1) + self.pos_embed_temporal.view(
             1, T, 1, 1, -1
         )  # (1, T, H, W, C)
         return x + pos
 
-    def _end(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)  # per token, as published (before the mean)
+    def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
+        # Per token, as published (before the mean).
+        return checkpoint_stage_end(self.norm, x, self.grad_checkpointing)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Clips ``(B, C, T, H, W)`` to the normalised last map ``(B, T', H', W', F)``."""
         x = self._stem(x)
         for stage in self.stages:
-            x = stage(x)
+            x = stage.forward_ends(x)
         return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -427,7 +466,7 @@ def checkpoint_filter_fn(
     for key, value in state_dict.items():
         new = key
         if key.startswith(prefix):
-            i, rest = key[len(prefix):].split(".", 1)
+            i, rest = key[len(prefix) :].split(".", 1)
             if not i.isdigit() or int(i) >= len(paths):
                 raise PretrainedError(
                     f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
@@ -435,11 +474,11 @@ def checkpoint_filter_fn(
                 )
             for old, ours in _RENAMES.items():
                 if rest.startswith(old):
-                    rest = ours + rest[len(old):]
+                    rest = ours + rest[len(old) :]
                     break
             new = f"{paths[int(i)]}.{rest}"
         elif key.startswith("head.projection."):
-            new = "head." + key[len("head.projection."):]
+            new = "head." + key[len("head.projection.") :]
         out[new] = value
     return out
 
