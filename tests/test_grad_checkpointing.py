@@ -9,6 +9,7 @@ import torch
 
 import pareprop
 from pareprop import ENGINES, activation_bytes
+from pareprop.models._features import StageEnd
 from pareprop.testing import relative_error
 
 TOL = 1e-10
@@ -194,3 +195,19 @@ def test_checkpointed_mvits_keep_each_stage_end_once(name):
                   if t.numel() == 2 * y1.numel() and t.shape[-1] == 2 * y1.shape[-1]]
         assert not joined, [tuple(t.shape) for t in joined]  # ...and not their join
     assert not [t for t in saved if t.dtype == torch.bfloat16 and t.shape == x.shape]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stages_hand_on_streams_only_where_the_stack_keeps_them(engine):
+    # Under plain autograd a stack's outputs are not kept: handing them on to a checkpointed
+    # transition would keep both streams and make their join again inside it, a map more.
+    model = _model("rev_mvitv2_tiny_32", engine=engine)
+    model.set_grad_checkpointing()
+    (x,) = model.example_inputs(2, dtype=torch.float64)
+    stage = model.stages[0]
+    handed = stage.forward_ends(model._stem(x))
+    assert isinstance(handed, StageEnd) == (engine != "autograd")
+    with torch.no_grad():
+        assert not isinstance(stage.forward_ends(model._stem(x)), StageEnd)
+    model.eval()
+    assert not isinstance(stage.forward_ends(model._stem(x)), StageEnd)

@@ -170,6 +170,14 @@ class ReversibleStack(nn.Module):
         ckpt = ", checkpoint_blocks=True" if self.checkpoint_blocks else ""
         return f"engine={self.engine!r}{stored}{chunking}{ckpt}"
 
+    def keeps_outputs(self) -> bool:
+        """Whether a forward now keeps the stack's two output streams for backward: a
+        reversible engine in training with grad on rebuilds from them, unless its top block is
+        stored (its own graph keeps what its backward needs). Callers that would save the
+        outputs again can then save the streams themselves at no cost."""
+        return (self.engine != "autograd" and self.training and torch.is_grad_enabled()
+                and len(self.blocks) - 1 not in self.stored_blocks)
+
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)

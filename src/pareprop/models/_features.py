@@ -42,7 +42,9 @@ class StageEnd(NamedTuple):
     streams' own 18.4, half of everything kept. So stages hand each other the streams, and the
     next transition joins them inside its checkpoint (maybe_checkpoint's ``join``), keeping
     only the streams; the joined map is made where a caller needs it (:func:`stage_map`: a
-    feature, the last norm, the head)."""
+    feature, the last norm, the head). Only where the stack keeps its streams anyway
+    (``ReversibleStack.keeps_outputs``): under plain autograd a stack's outputs are not kept,
+    and handing them on would keep two maps where the joined one is kept now."""
 
     y1: torch.Tensor
     y2: torch.Tensor

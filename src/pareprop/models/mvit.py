@@ -376,7 +376,10 @@ class MViTStage(nn.Module):
             grid = (H, W)
         t = x.flatten(1, -2)  # (B, N, C); flatten, not reshape(B, -1, C): B may be 0
         y1, y2 = self.stack(t, t, hw=grid)
-        return StageEnd(y1, y2, grid)
+        # The streams are handed on only where the stack keeps them anyway; otherwise (plain
+        # autograd, eval) they are joined here and only the joined map lives on.
+        end = StageEnd(y1, y2, grid)
+        return end if self.stack.keeps_outputs() else stage_map(end)
 
 
 class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
