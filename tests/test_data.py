@@ -92,7 +92,7 @@ def test_epoch_order_depends_on_seed_and_epoch_only():
 
 
 def test_two_processes_cover_the_same_global_batches():
-    # NOTE [ Batch size ] in trainer.py: with micro-batch b/2 per process, the union of the
+    # NOTE [ Batch size ] in trainer/setup.py: with micro-batch b/2 per process, the union of the
     # processes' k-th batches is the single process's k-th batch of size b.
     data, b = list(range(48)), 8
     one = epoch_sampler(data, seed=1)

@@ -58,7 +58,7 @@ def _worker(rank, world, init_file, out):
     tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         x, y = _batch()
-        # This process's half of the global batch (see NOTE [ Batch size ] in trainer.py).
+        # This process's half of the global batch (see NOTE [ Batch size ] in trainer/setup.py).
         xs, ys = x[rank::world], y[rank::world]
         results = {}
         for engine in ENGINES:

@@ -74,6 +74,19 @@ ENGINE_ORDER: List[str] = [
 ]
 
 
+# Inside the trainer package, the same rule: one job a module, in the order a run meets them.
+TRAINER_ORDER: List[str] = [
+    "pareprop.trainer.config",  # TrainConfig and its checks
+    "pareprop.trainer.report",  # the run's messages and metrics.jsonl
+    "pareprop.trainer.directory",  # which run directory a run writes, and claiming it
+    "pareprop.trainer.setup",  # device, model and data, engine, loaders, optimizer
+    "pareprop.trainer.state",  # the training state a checkpoint saves, and resuming it
+    "pareprop.trainer.loop",  # a micro-batch, an optimizer step, an epoch, an evaluation
+    "pareprop.trainer.run",  # Trainer: the set-up steps in order, then the epochs; train
+    "pareprop.trainer",
+]
+
+
 def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
@@ -250,18 +263,26 @@ def test_no_function_local_import_of_pareprop():
         "import is for an optional or heavy third-party module only):\n" + "\n".join(local))
 
 
-def test_engine_modules_keep_their_order():
-    engine = sorted(m for m in MODULES if _unit(m) == "pareprop.engine")
-    assert engine == sorted(ENGINE_ORDER), (
-        "place every module of pareprop.engine in ENGINE_ORDER (tests/test_layering.py): "
-        f"unplaced {sorted(set(engine) - set(ENGINE_ORDER))}, "
-        f"gone {sorted(set(ENGINE_ORDER) - set(engine))}")
+def _check_order(package: str, order: List[str], name: str) -> None:
+    modules = sorted(m for m in MODULES if _unit(m) == package)
+    assert modules == sorted(order), (
+        f"place every module of {package} in {name} (tests/test_layering.py): "
+        f"unplaced {sorted(set(modules) - set(order))}, "
+        f"gone {sorted(set(order) - set(modules))}")
     graph, _ = _imports()
-    rank = {m: i for i, m in enumerate(ENGINE_ORDER)}
-    upward = [f"{m} imports {t}" for m in ENGINE_ORDER for t in sorted(graph[m])
+    rank = {m: i for i, m in enumerate(order)}
+    upward = [f"{m} imports {t}" for m in order for t in sorted(graph[m])
               if t in rank and rank[t] >= rank[m]]
-    assert not upward, ("engine modules importing their own or a later module of "
-                        "ENGINE_ORDER:\n" + "\n".join(upward))
+    assert not upward, (f"{package} modules importing their own or a later module of "
+                        f"{name}:\n" + "\n".join(upward))
+
+
+def test_engine_modules_keep_their_order():
+    _check_order("pareprop.engine", ENGINE_ORDER, "ENGINE_ORDER")
+
+
+def test_trainer_modules_keep_their_order():
+    _check_order("pareprop.trainer", TRAINER_ORDER, "TRAINER_ORDER")
 
 
 def _unit(name: str) -> str:
