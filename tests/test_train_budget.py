@@ -7,7 +7,7 @@ import os
 import pytest
 
 import pareprop
-from pareprop import budget as budget_module
+import pareprop.trainer.setup as trainer_setup
 from pareprop.checkpoint import load_model
 from pareprop.cli.train import main
 from pareprop.trainer import TrainConfig, Trainer
@@ -38,7 +38,8 @@ def test_budget_is_applied_recorded_and_reused_on_resume(tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("a resumed run must take its stored blocks from the checkpoint")
 
-    monkeypatch.setattr(budget_module, "set_memory_budget", no_measuring)
+    # Patched where the trainer looks it up (patching pareprop.budget's would not reach it).
+    monkeypatch.setattr(trainer_setup, "set_memory_budget", no_measuring)
     resumed = Trainer(_cfg(tmp_path, resume=os.path.join(tmp_path, "last")))
     assert resumed.model.stack.stored_blocks == stored
 
