@@ -179,8 +179,7 @@ def _saved_during_forward(model, x):
 def test_checkpointed_mvits_keep_each_stage_end_once(name):
     # NOTE [ Stage ends kept once ]: a transition (or the last norm) joins the previous
     # stack's streams inside its checkpoint, so what is kept is the streams, which the engine
-    # keeps anyway, not their concatenation beside them; and the checkpointed stem keeps the
-    # images, not autocast's bfloat16 copy. Fails if stages hand on joined maps.
+    # keeps anyway, not their concatenation beside them. Fails if stages hand on joined maps.
     model = _model(name, engine="reversible").float()
     model.set_grad_checkpointing()
     (x,) = model.example_inputs(2)
@@ -194,6 +193,24 @@ def test_checkpointed_mvits_keep_each_stage_end_once(name):
         joined = [t for t in saved
                   if t.numel() == 2 * y1.numel() and t.shape[-1] == 2 * y1.shape[-1]]
         assert not joined, [tuple(t.shape) for t in joined]  # ...and not their join
+
+
+@pytest.mark.parametrize("name", [*TINY, "rev_vit"])
+def test_checkpointed_stems_keep_the_images_not_a_bfloat16_copy(name):
+    # Under autocast a patch embedding's convolution saves a bfloat16 copy of the images;
+    # checkpointed (hierarchical models under set_grad_checkpointing, Rev-ViT with its stack
+    # chunked) the stem keeps the images themselves, which the caller holds anyway.
+    if name == "rev_vit":
+        model = pareprop.create_model("rev_vit_tiny_patch4_32", embed_dim=16, depth=2,
+                                      num_heads=2, num_classes=5, engine="reversible")
+        pareprop.set_chunking(model, chunks=2)
+    else:
+        model = _model(name, engine="reversible").float()
+        model.set_grad_checkpointing()
+    (x,) = model.example_inputs(2)
+    saved, _ = _saved_during_forward(model, x)
+    assert any(t is x or t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+               for t in saved)
     assert not [t for t in saved if t.dtype == torch.bfloat16 and t.shape == x.shape]
 
 

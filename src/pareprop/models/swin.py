@@ -444,7 +444,9 @@ class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, multiple_of=self.cfg.patch_size)
-        return self.patch_embed(x)  # (B, H/p, W/p, C)
+        # Checkpointed, the stem keeps the images (which the caller holds anyway), not
+        # autocast's copy of them and its norm's float32 input.
+        return maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H/p, W/p, C)
 
     def _end(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
