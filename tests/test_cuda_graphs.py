@@ -380,3 +380,95 @@ def test_auto_engine_measures_eagerly_then_captures(stand_in):
     assert model.stack.cuda_graphs and model.stack.cuda_graph_status.startswith("warming up")
     pareprop.set_engine(model, "reversible", cuda_graphs=False)
     assert model.stack.cuda_graph_status == "off"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA side's bookkeeping, with torch's CUDA objects faked: what runs only on a device is
+# at least called as intended (names, order, restores) before a device session spends its time.
+
+
+class _FakeState:
+    def __init__(self, seed=0, offset=0):
+        self.seed, self.offset = seed, offset
+
+
+class _FakeGenerator:
+    """The graph-safe surface of a CUDA generator: a pointer to a state."""
+
+    def __init__(self, state=None):
+        self.state = state if state is not None else _FakeState()
+
+    def clone_state(self):
+        return _FakeGenerator(_FakeState(self.state.seed, self.state.offset))
+
+    def manual_seed(self, seed):
+        self.state.seed, self.state.offset = seed, 0
+        return self
+
+    def graphsafe_get_state(self):
+        return _FakeGenerator(self.state)
+
+    def graphsafe_set_state(self, other):
+        self.state = other.state
+
+    def get_offset(self):
+        return self.state.offset
+
+    def set_offset(self, offset):
+        self.state.offset = offset
+
+
+def test_cuda_branch_streams_switch_and_restore_the_default_generator(monkeypatch):
+    default = _FakeGenerator()
+    original = default.state
+    monkeypatch.setattr(torch.cuda, "default_generators", (default,), raising=False)
+    rng = replay._CudaBranchRng(torch.device("cuda", 0), {(0, "f"): 7, (0, "g"): 8})
+    assert [g.state.seed for g in rng.states("forward")] == [7, 8]
+    assert [g.state.seed for g in rng.states("backward")] == [7, 8]
+    assert {id(g.state) for g in rng.states("forward")}.isdisjoint(
+        id(g.state) for g in rng.states("backward"))  # two states per branch, one seed
+    with rng.forward(0, "g"):
+        assert default.state is rng.forward_states[0, "g"].state
+    assert default.state is original
+    with rng.recompute(0, "f"):
+        assert default.state is rng.backward_states[0, "f"].state
+    assert default.state is original
+    rng.forward_states[0, "f"].set_offset(12)  # what a forward replay advanced it by
+    rng.step_begin()
+    assert rng.backward_states[0, "f"].get_offset() == 12
+
+
+def test_cuda_capture_registers_the_streams_first_and_turns_the_weight_cache_off(monkeypatch):
+    events = []
+
+    class FakeGraph:
+        def register_generator_state(self, state):
+            events.append(("register", state))
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None):
+            events.append(("capture", pool))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("end",))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(graphs, "_side_stream", lambda device: events.append(("side",)))
+    backend = graphs._CudaGraphs(torch.device("cuda", 0))
+    cache = torch.is_autocast_cache_enabled()
+    backend.capture(lambda: events.append(("run", torch.is_autocast_cache_enabled())), ["s1"])
+    assert events == [("register", "s1"), ("side",), ("capture", "pool"), ("run", False),
+                      ("end",)]
+    assert torch.is_autocast_cache_enabled() == cache
+
+
+def test_this_torch_has_the_graph_api_the_cuda_side_calls():
+    missing = [f"{o.__name__}.{n}" for o, n in graphs._GRAPH_API if not hasattr(o, n)]
+    assert not missing
+    for name in ("graph", "graph_pool_handle", "default_generators"):
+        assert hasattr(torch.cuda, name)
