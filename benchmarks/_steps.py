@@ -3,7 +3,9 @@
 The engines a script may name: the catalog's modes (``autograd``, ``reversible``,
 ``pareprop``, ``checkpointed``, ``plain``) and ``pareprop-fallback``, engine "pareprop" with
 its fallback to Reprop on (NOTE [ PaReprop's fallback to Reprop ]); plain ``pareprop`` has it
-off, as benchmarks run it.
+off, as benchmarks run it. ``ENGINE+graphs`` (``autograd``, ``reversible`` or ``pareprop``)
+runs that engine with each stack's training step captured as CUDA graphs
+(``pareprop.set_engine(..., cuda_graphs=True)``; CUDA only).
 """
 
 from __future__ import annotations
@@ -23,16 +25,30 @@ def build(model: str, engine: str, device: torch.device, img_size: Optional[int]
           depth: Optional[int] = None, seed: int = 0) -> Tuple[nn.Module, catalog.ModelRequest]:
     """``model`` in ``engine`` on ``device`` (seeded, so every engine starts from the same
     weights), and the request it was built from (for its example inputs)."""
-    base = "pareprop" if engine == "pareprop-fallback" else engine
-    request = catalog.ModelRequest(model=model, engine=base, img_size=img_size, depth=depth,
-                                   grad_checkpointing=grad_checkpointing)
+    request = catalog.ModelRequest(model=model, engine=base_engine(engine), img_size=img_size,
+                                   depth=depth, grad_checkpointing=grad_checkpointing)
     torch.manual_seed(seed)
     net = catalog.build_model(request).to(device)
-    if base == "pareprop":
-        pareprop.set_engine(net, "pareprop", fallback=engine == "pareprop-fallback")
     if chunk_bytes:
         pareprop.set_chunking(net, max_bytes=chunk_bytes)
-    return net, request
+    return configure(net, engine), request
+
+
+def base_engine(engine: str) -> str:
+    """The catalog's mode under a script's engine name ("pareprop+graphs" -> "pareprop")."""
+    engine = engine[:-len("+graphs")] if engine.endswith("+graphs") else engine
+    return "pareprop" if engine == "pareprop-fallback" else engine
+
+
+def configure(net: nn.Module, engine: str) -> nn.Module:
+    """Put a reversible model (built under any engine, or a copy of one) in ``engine``."""
+    base, graphs = base_engine(engine), engine.endswith("+graphs")
+    if base in pareprop.ENGINES:
+        fallback = (engine == "pareprop-fallback") if base == "pareprop" else None
+        pareprop.set_engine(net, base, fallback=fallback, cuda_graphs=graphs)
+    elif graphs:
+        raise ValueError(f"{engine!r}: CUDA graphs go with the reversible models' engines")
+    return net
 
 
 def inputs_for(net: nn.Module, request: catalog.ModelRequest, batch: int,

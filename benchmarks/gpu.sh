@@ -12,8 +12,10 @@
 #                 ViT-B checkpointed and plain, Rev-Swin-T (transitions checkpointed, 1 GiB
 #                 chunks) against timm's Swin-T checkpointed        -> OUTDIR/largest.{log,json}
 #   2. small      the small-batch regime (benchmarks/small_batch.py): Rev-ViT-L and Rev-Swin-B
-#                 at batch 8-64, every engine and timm's checkpointed model, interleaved,
-#                 CUDA events, the fallback's choice                 -> OUTDIR/small.{log,json}
+#                 at batch 8-64, every engine with and without CUDA graphs (--graphs; the dry
+#                 run says "not run (no CUDA)") and timm's checkpointed model, interleaved,
+#                 CUDA events, the fallback's choice; batch sizes not started within 3/4 of
+#                 the step's allowance are skipped (--time-limit) -> OUTDIR/small.{log,json}
 #   3. profile    PaReprop's two streams, busy and overlapped, from one trace; a kernel table
 #                 of Rev-ViT-B (autograd) against timm's ViT-B (benchmarks/profile_steps.py)
 #                                                                    -> OUTDIR/profile.{log,json}
@@ -59,7 +61,7 @@ if ((DRY)); then
   LARGEST=(--cap 24MiB --img-size 32 --steps 3
            --case rev_vit_tiny_patch4_32 reversible 39 --chunk-bytes 2MiB --depth 1
            --case vit_tiny_patch16_224 checkpointed 202 --depth 1)
-  SMALL=(--img-size 32 --batch-sizes 2 --warmup 1 --rounds 1
+  SMALL=(--img-size 32 --batch-sizes 2 --warmup 1 --rounds 1 --graphs
          --pair rev_vit_tiny_patch4_32 vit_tiny_patch16_224)
   PROFILE=(--img-size 32 --depth 2 --overlap rev_vit_tiny_patch4_32 2
            --kernels rev_vit_tiny_patch4_32 vit_tiny_patch16_224 2 --top 5)
@@ -77,7 +79,7 @@ else
            --case vit_base_patch16_224 plain 608
            --case rev_swin_tiny reversible 4513 --chunk-bytes 1GiB --grad-checkpointing
            --case swin_tiny_patch4_window7_224 checkpointed 2340)
-  SMALL=(--batch-sizes 8 16 32 64
+  SMALL=(--batch-sizes 8 16 32 64 --graphs
          --pair rev_vit_large_patch16_224 vit_large_patch16_224
          --pair rev_swin_base swin_base_patch4_window7_224)
   PROFILE=(--overlap rev_vit_large_patch16_224 32
@@ -149,12 +151,15 @@ if ((!DRY && !HAS_CUDA)); then
 fi
 
 # script STEP NOTE SCRIPT ARGS...: a benchmark script with its JSON record, its log printed.
+# The small-batch step also gets --time-limit, 3/4 of its allowance: it starts no batch size
+# after that, so the last one it runs ends inside the allowance and its JSON is written.
 script() {
-  local step=$1 note=$2 path=$3 a
+  local step=$1 note=$2 path=$3 a limit=()
   shift 3
   a=$(allowance "$step")
+  [[ $step == small ]] && limit=(--time-limit "$((a * 3 / 4))")
   run_step "$step" "$a" "$note" "$OUT/$step.log" python "$path" "${DEVICE[@]}" \
-    --json "$OUT/$step.json" "$@"
+    --json "$OUT/$step.json" ${limit[@]+"${limit[@]}"} "$@"
   cat "$OUT/$step.log" 2>/dev/null | grep -v '^USDT\|^ERROR:.*gpuGetDeviceCount'
 }
 script largest "real largest batch under a cap" benchmarks/real_largest_batch.py "${LARGEST[@]}"
@@ -202,7 +207,8 @@ fi
 echo
 echo "summary:"
 grep -h 'real/planned\|/ .* checkpointed: real' "$OUT/largest.log" 2>/dev/null | sed 's/^ */  /'
-grep -h 'reversible/autograd\|fallback chose' "$OUT/small.log" 2>/dev/null | sed 's/^ */  /' | head -20
+grep -h 'reversible/autograd\|fallback chose\|with graphs\|CUDA graphs:' "$OUT/small.log" 2>/dev/null |
+  sed 's/^ */  /' | head -30
 grep -h 'both busy\|copies' "$OUT/profile.log" 2>/dev/null | sed 's/^ */  /'
 tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/  gpu tests: /'
 sed 's/^/  /' "$OUT/controls.log" 2>/dev/null

@@ -12,6 +12,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
                           "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import _steps  # noqa: E402
 import profile_steps  # noqa: E402
 import real_largest_batch  # noqa: E402
 import small_batch  # noqa: E402
@@ -104,3 +105,44 @@ def test_lane_busy_without_kernels_reads_host_threads():
                                    dict(cat="cpu_op", ts=5, dur=10, tid=2)])
     assert out["lanes"].startswith("host threads")
     assert out["both_busy_ms"] == pytest.approx(0.005)
+
+
+def test_small_batch_graphs_rows_say_why_they_did_not_run():
+    args = small_batch.parse(["--pair", "a", "b", "--device", "cpu", "--graphs"])
+    assert small_batch.graphs_run(args) == small_batch.NO_CUDA
+    assert "not asked" in small_batch.graphs_run(small_batch.parse(
+        ["--pair", "a", "b", "--device", "cpu"]))
+
+
+def test_engine_names_with_graphs():
+    assert _steps.base_engine("pareprop+graphs") == "pareprop"
+    assert _steps.base_engine("pareprop-fallback") == "pareprop"
+    assert _steps.base_engine("checkpointed") == "checkpointed"
+    import pareprop
+
+    net = pareprop.create_model("rev_vit_tiny_patch4_32", img_size=8, embed_dim=8, depth=1,
+                                num_heads=1, num_classes=2)
+    _steps.configure(net, "reversible+graphs")
+    assert net.stack.engine == "reversible" and net.stack.cuda_graphs
+    _steps.configure(net, "pareprop-fallback")
+    assert net.stack.engine == "pareprop" and not net.stack.cuda_graphs
+    assert pareprop.chosen_schedule(net) == "pareprop"  # on the CPU: nothing to measure
+
+
+def test_small_batch_ratios_with_and_without_graphs(capsys):
+    ms = {"autograd": 50.0, "reversible": 100.0, "pareprop": 80.0, "pareprop-fallback": 100.0,
+          "timm checkpointed": 100.0, "autograd+graphs": 25.0, "reversible+graphs": 40.0,
+          "pareprop+graphs": 32.0}
+    row = dict(fallback_choice="pareprop", fallback_why=[], graphs=None)
+    small_batch._ratios(ms, row)
+    assert row["reversible_over_autograd"] == 2.0
+    g = row["graphs"]
+    assert g["reversible_over_autograd"] == 1.6 and g["reversible_over_eager_autograd"] == 0.8
+    assert g["pareprop_throughput_over_reprop"] == 1.25
+    assert g["eager_over_graphed"] == {"autograd": 2.0, "reversible": 2.5, "pareprop": 2.5}
+    small_batch._print_row("m", 8, ms, row)
+    assert "with graphs: reversible/autograd 1.60" in capsys.readouterr().out
+    row = dict(fallback_choice="pareprop", fallback_why=[], graphs=small_batch.NO_CUDA)
+    small_batch._ratios({k: v for k, v in ms.items() if "+graphs" not in k}, row)
+    small_batch._print_row("m", 8, ms, row)
+    assert "with graphs: not run (no CUDA" in capsys.readouterr().out

@@ -218,6 +218,9 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     assert "--case swin_tiny_patch4_window7_224 checkpointed" in largest
     assert "--pair rev_vit_large_patch16_224 vit_large_patch16_224" in small
     assert "--batch-sizes 8 16 32 64" in small
+    assert "--graphs" in small  # every engine with and without CUDA graphs
+    limit = int(small.split("--time-limit ")[1].split()[0])  # 3/4 of the step's allowance
+    assert 0 < limit < 480 and "--time-limit" not in largest + profile
     assert "--overlap rev_vit_large_patch16_224 32" in profile
     pytest_calls = [c for c in calls if c.startswith("-m pytest")]
     assert "-m gpu" in pytest_calls[0] and pytest_calls[0].endswith("|DROP=")
@@ -240,6 +243,7 @@ def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
     scripted = [c for c in calls if c.startswith("benchmarks/")]
     assert len(scripted) == 3 and all("--device cpu" in c for c in scripted)
     assert "rev_vit_tiny_patch4_32" in scripted[0] and "--img-size 32" in scripted[0]
+    assert "--graphs" in scripted[1]  # small_batch.py says itself that it ran none on the CPU
 
 
 def test_gpu_mode_without_cuda_and_bad_usage_are_refused(tmp_path):

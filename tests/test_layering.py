@@ -69,6 +69,7 @@ ENGINE_ORDER: List[str] = [
     "pareprop.engine.lanes",  # PaReprop's two lanes and the parameter aliases on them
     "pareprop.engine.schedules",  # Reprop's and PaReprop's order of recover and grads
     "pareprop.engine.function",  # the autograd Function
+    "pareprop.engine.graphs",  # a stack's training step captured as CUDA graphs
     "pareprop.engine.stack",  # ReversibleStack and the model-wide setters
     "pareprop.engine",
 ]

@@ -27,6 +27,8 @@ package, one concern a module, each importing only those above it here:
 * ``lanes``: PaReprop's two lanes (CUDA streams) and the parameter aliases on them;
 * ``schedules``: Reprop's and PaReprop's order of recover and grads;
 * ``function``: the autograd Function of a stack;
+* ``graphs``: a stack's training forward and backward captured as CUDA graphs and replayed
+  (``set_engine(..., cuda_graphs=True)``, for host-bound small batches);
 * ``stack``: :class:`ReversibleStack` and the functions that configure every stack of a model.
 """
 

@@ -6,6 +6,7 @@ which refuses a branch that modifies its input in place or changes its shape.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -47,6 +48,13 @@ def _call_checked(
     return out
 
 
+def _drawing(rng: Optional[Any], index: int, branch: str) -> contextlib.AbstractContextManager:
+    """Where F or G of block ``index`` draws its random numbers in forward: from the global
+    generators, or, in a captured step, from the branch's own stream (NOTE [ Randomness in
+    CUDA graphs ] in replay.py)."""
+    return contextlib.nullcontext() if rng is None else rng.forward(index, branch)
+
+
 def _couple(
     block: ReversibleBlock,
     x1: Tensor,
@@ -54,11 +62,23 @@ def _couple(
     kwargs: Dict[str, Any],
     records: Optional[List[_BlockRecord]] = None,
     keep_inputs: bool = False,
+    rng: Optional[Any] = None,
+    index: int = 0,
 ) -> Tuple[Tensor, Tensor]:
+    """Y1 = beta X1 + F(X2), Y2 = beta X2 + G(Y1). With ``records`` (the reversible engines),
+    each block's record for recomputation is appended, and ``index`` is its length. ``rng``:
+    the per-branch streams of a captured step, None outside one."""
     beta = skip_scale(block)
-    if records is None:
-        y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
-        return y1, _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
+    index = len(records) if records is not None else index
+    if records is None or rng is not None:
+        with _drawing(rng, index, "f"):
+            y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
+        with _drawing(rng, index, "g"):
+            y2 = _skip(beta, x2) + _call_checked(block, "g", y1, kwargs)
+        if records is not None:  # recomputation draws from the same streams: nothing to keep
+            inputs = (x1.clone(), x2.clone()) if keep_inputs else None
+            records.append(_BlockRecord(None, None, inputs, _ModeState.capture(block, index)))
+        return y1, y2
     f_rng = _RngState.capture(x2.device)
     y1 = _skip(beta, x1) + _call_checked(block, "f", x2, kwargs)
     g_rng = _RngState.capture(x2.device)

@@ -60,7 +60,7 @@ class _ReversibleFunction(torch.autograd.Function):
                 keep_x1 = index > 0 and not stored[index - 1]
                 probe = plan.probe(index, x1) if plan.probe else contextlib.nullcontext()
                 with probe:
-                    rebuilt = _store(block, x1, x2, plan.kwargs, keep_x1)
+                    rebuilt = _store(block, x1, x2, plan.kwargs, keep_x1, plan.graph_rng, index)
                 plan.graphs.append(rebuilt)
                 plan.records.append(_BlockRecord(None, None))
                 x1 = rebuilt.y1.detach()
@@ -70,7 +70,8 @@ class _ReversibleFunction(torch.autograd.Function):
                 x1, x2 = _couple_chunked(plan, index, x1, x2, keep)
             else:
                 plan.graphs.append(None)
-                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep)
+                x1, x2 = _couple(block, x1, x2, plan.kwargs, plan.records, keep_inputs=keep,
+                                 rng=plan.graph_rng)
             if sharded:
                 plan.sharding.reshard_after_forward(index)
         plan.reconstruction_errors[:] = [(float("nan"), float("nan"))] * len(plan.blocks)
@@ -99,7 +100,8 @@ class _ReversibleFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         streams = _take_outputs(plan) if plan.output_versions else list(saved or (None, None))
         param_grads: List[Optional[Tensor]] = [None] * plan.num_params
-        entry = _RngState.capture(plan.device)
+        # A captured step leaves the generators alone: its branches draw from their own streams.
+        entry = _RngState.capture(plan.device) if plan.graph_rng is None else None
         schedule, trial = "reversible", None
         # A chunked stack runs Reprop's schedule (NOTE [ Chunking runs Reprop ] in chunked.py).
         if plan.engine == "pareprop" and plan.chunking is None:
@@ -111,7 +113,8 @@ class _ReversibleFunction(torch.autograd.Function):
             else:
                 dx1, dx2 = _backward_in_order(plan, streams, dy1, dy2, param_grads)
         finally:
-            entry.restore(plan.device)
+            if entry is not None:
+                entry.restore(plan.device)
             if trial is not None:
                 plan.schedule.end(trial)
         return (None, dx1, dx2, *param_grads)

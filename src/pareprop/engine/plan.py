@@ -32,7 +32,9 @@ Tensor = torch.Tensor
 class _BlockRecord:
     """What forward leaves for one block's recomputation (and for the debug check)."""
 
-    f_rng: Optional[_RngState]  # None for a stored block, which is not recomputed
+    # None for a stored block, which is not recomputed, and in a captured step, whose branches
+    # draw from their own streams (NOTE [ Randomness in CUDA graphs ] in replay.py).
+    f_rng: Optional[_RngState]
     g_rng: Optional[_RngState]
     inputs: Optional[Tuple[Tensor, Tensor]] = None
     modes: Optional[_ModeState] = None
@@ -82,6 +84,9 @@ class _Plan:
     output_versions: Tuple[int, ...] = ()
     # Under "pareprop": the stack's choice between PaReprop and Reprop (pareprop/schedule.py).
     schedule: Optional[ScheduleChoice] = None
+    # In a step captured as CUDA graphs: the branches' random streams (_CudaBranchRng, or its
+    # CPU stand-in), which forward and recomputation draw from; None outside one.
+    graph_rng: Optional[Any] = None
 
 
 @dataclass

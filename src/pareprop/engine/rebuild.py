@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 
 from pareprop.engine.block import ReversibleBlock, _skip, _unskip, skip_scale
-from pareprop.engine.forward import _call_checked
+from pareprop.engine.forward import _call_checked, _drawing
 from pareprop.engine.plan import _Plan, _plan_beta, _Rebuilt
 
 Tensor = torch.Tensor
@@ -83,18 +83,32 @@ def _recover(plan: _Plan, index: int, y1: Tensor, y2: Tensor) -> _Rebuilt:
     with torch.enable_grad(), plan.autocast.replay(), plan.backends.replay(), \
             record.modes.replay(), _forward_parameters(plan, index):
         y1 = y1.detach().requires_grad_(True)
-        record.g_rng.restore(plan.device)
-        g_out = _call_checked(block, "g", y1, plan.kwargs)
+        with _as_in_forward(plan, index, "g"):
+            g_out = _call_checked(block, "g", y1, plan.kwargs)
         beta = _plan_beta(plan, index)
         with torch.no_grad():
             x2 = _unskip(beta, y2 - g_out).requires_grad_(True)
-        record.f_rng.restore(plan.device)
-        f_out = _call_checked(block, "f", x2, plan.kwargs)
+        with _as_in_forward(plan, index, "f"):
+            f_out = _call_checked(block, "f", x2, plan.kwargs)
         with torch.no_grad():
             x1 = _unskip(beta, y1 - f_out)
     if record.inputs is not None:
         _check_reconstruction(plan, index, (x1, x2), record.inputs)
     return _Rebuilt(y1, g_out, x2, f_out, x1)
+
+
+@contextlib.contextmanager
+def _as_in_forward(plan: _Plan, index: int, branch: str) -> Iterator[None]:
+    """Block ``index``'s F or G recomputed drawing what forward drew: the generators put back to
+    forward's state before the call (NOTE [ Exact replay of randomness ] in replay.py), or in a
+    captured step the branch's backward stream (NOTE [ Randomness in CUDA graphs ])."""
+    if plan.graph_rng is not None:
+        with plan.graph_rng.recompute(index, branch):
+            yield
+        return
+    record = plan.records[index]
+    (record.f_rng if branch == "f" else record.g_rng).restore(plan.device)
+    yield
 
 
 # NOTE [ Stored blocks ]
@@ -116,8 +130,11 @@ def _store(
     x2: Tensor,
     kwargs: Dict[str, Any],
     keep_x1: bool,
+    rng: Optional[Any] = None,
+    index: int = 0,
 ) -> _Rebuilt:
-    """Forward of a stored block, building the graphs that recover() would rebuild."""
+    """Forward of a stored block, building the graphs that recover() would rebuild. ``rng``:
+    the branches' streams in a captured step (block ``index``), None outside one."""
     # F and G take views of the detached inputs, not the leaves themselves: tools that hook
     # module inputs in forward (torch's ModTracker, inside MemTracker and so plan_memory) ask
     # autograd, when our nested autograd.grad runs, whether each input's node will execute,
@@ -125,11 +142,13 @@ def _store(
     # captured at it is the leaf's.
     with torch.enable_grad():
         x2_in = x2.detach().requires_grad_(True).view_as(x2)
-        f_out = _call_checked(block, "f", x2_in, kwargs)
+        with _drawing(rng, index, "f"):
+            f_out = _call_checked(block, "f", x2_in, kwargs)
         with torch.no_grad():
             y1 = _skip(skip_scale(block), x1) + f_out
         y1_in = y1.detach().requires_grad_(True).view_as(y1)
-        g_out = _call_checked(block, "g", y1_in, kwargs)
+        with _drawing(rng, index, "g"):
+            g_out = _call_checked(block, "g", y1_in, kwargs)
     return _Rebuilt(y1_in, g_out, x2_in, f_out, x1 if keep_x1 else None)
 
 

@@ -2,7 +2,9 @@
 
 Five kinds, each with its NOTE: the generator states (dropout, drop-path), autocast, the
 backend switches (SDPA kernels, cuDNN, TF32), the modules' training flags, and the versions of
-the stack's keyword tensors (refused when changed). The forward's parameters are checked and
+the stack's keyword tensors (refused when changed). In a step captured as CUDA graphs the
+branches draw from streams of their own instead of restored generator states (NOTE
+[ Randomness in CUDA graphs ]). The forward's parameters are checked and
 swapped in by :func:`pareprop.engine.rebuild._forward_parameters`.
 """
 
@@ -45,6 +47,89 @@ class _RngState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, device)
+
+
+# NOTE [ Randomness in CUDA graphs ]
+# A captured step replays its kernels, not the host code that chose their generator states.
+# CUDA's generator refuses get_state and set_state during a capture (CUDAGeneratorImpl's
+# current_seed and set_state assert that nothing is capturing), and a replay draws at the
+# generator's offset at replay time, which eager code between the forward and the backward
+# replays moves on. So under cuda_graphs (NOTE [ CUDA graphs of a stack ] in graphs.py) each
+# branch, F or G of each block, draws from a stream of its own: two generator states with one
+# seed, the forward one registered with the forward graph and the backward one with the
+# backward graph (CUDAGraph.register_generator_state, before capture). Forward switches the
+# device's default generator to the branch's forward state around the call
+# (Generator.graphsafe_set_state, which only swaps a pointer and is allowed during capture),
+# recomputation to its backward state. Before each forward replay the backward state is set to
+# the forward state's offset, and a replay advances each state by what its graph drew, the same
+# kernels in both: so recomputation draws exactly what forward drew, at every replay, whatever
+# ran in between. The seeds are drawn from the CPU generator when the step is captured, so a
+# seeded run repeats itself; the masks are not eager's (eager draws from the global stream),
+# and the autograd engine under cuda_graphs draws from the same per-branch forward streams, so
+# every engine draws the same masks from the same seed. The CPU stand-in of a graph (tests)
+# does the same with the CPU generator's state.
+
+
+class _CpuBranchRng:
+    """Per-branch random streams on the CPU generator: the stand-in of :class:`_CudaBranchRng`
+    that tests run a captured step with (NOTE [ Randomness in CUDA graphs ])."""
+
+    def __init__(self, seeds: Dict[Tuple[int, str], int]):
+        self.forward_states = {k: torch.Generator().manual_seed(s).get_state()
+                               for k, s in seeds.items()}
+        self.backward_states = dict(self.forward_states)
+
+    def states(self, phase: str) -> List[Any]:
+        return []  # nothing to register: the stand-in runs eagerly
+
+    def step_begin(self) -> None:
+        self.backward_states = dict(self.forward_states)
+
+    def forward(self, index: int, branch: str) -> contextlib.AbstractContextManager:
+        return self._use(self.forward_states, (index, branch))
+
+    def recompute(self, index: int, branch: str) -> contextlib.AbstractContextManager:
+        return self._use(self.backward_states, (index, branch))
+
+    @contextlib.contextmanager
+    def _use(self, states: Dict[Tuple[int, str], Tensor], key: Tuple[int, str]) -> Iterator[None]:
+        saved = torch.get_rng_state()
+        torch.set_rng_state(states[key])
+        try:
+            yield
+        finally:
+            states[key] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+class _CudaBranchRng(_CpuBranchRng):
+    """Per-branch random streams of a captured step on a CUDA device: a forward and a backward
+    generator state per branch (NOTE [ Randomness in CUDA graphs ])."""
+
+    def __init__(self, device: torch.device, seeds: Dict[Tuple[int, str], int]):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.generator = torch.cuda.default_generators[index]
+        self.forward_states = {k: self.generator.clone_state().manual_seed(s)
+                               for k, s in seeds.items()}
+        self.backward_states = {k: self.generator.clone_state().manual_seed(s)
+                                for k, s in seeds.items()}
+
+    def states(self, phase: str) -> List[Any]:
+        """The generator states to register with the ``phase`` ("forward" or "backward") graph."""
+        return list((self.forward_states if phase == "forward" else self.backward_states).values())
+
+    def step_begin(self) -> None:
+        for key, state in self.forward_states.items():
+            self.backward_states[key].set_offset(state.get_offset())
+
+    @contextlib.contextmanager
+    def _use(self, states: Dict[Tuple[int, str], Any], key: Tuple[int, str]) -> Iterator[None]:
+        saved = self.generator.graphsafe_get_state()
+        self.generator.graphsafe_set_state(states[key])
+        try:
+            yield
+        finally:
+            self.generator.graphsafe_set_state(saved)
 
 
 # NOTE [ Autocast in recomputation ]

@@ -16,6 +16,7 @@ from pareprop.chunking import Chunking, parse_chunking
 from pareprop.engine.block import ReversibleBlock, skip_scale
 from pareprop.engine.forward import _couple
 from pareprop.engine.function import _ReversibleFunction
+from pareprop.engine.graphs import _StackGraphs, check_capturable
 from pareprop.engine.plan import _block_params, _ParamLocation, _Plan
 from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendState, _KeywordVersions
 from pareprop.schedule import ScheduleChoice
@@ -23,6 +24,15 @@ from pareprop.schedule import ScheduleChoice
 ENGINES = ("autograd", "reversible", "pareprop")
 
 Tensor = torch.Tensor
+
+
+def _check_fallback(graphs: bool, fallback: Optional[bool]) -> None:
+    if graphs and fallback:
+        raise ValueError(
+            "fallback=True times PaReprop against Reprop on eager backward passes, and "
+            "cuda_graphs=True captures one schedule as it is: choose the engine yourself "
+            "('pareprop' or 'reversible'; benchmarks/small_batch.py --graphs times both), "
+            "or turn CUDA graphs off")
 
 
 def _check_engine(name: str) -> str:
@@ -73,6 +83,10 @@ class ReversibleStack(nn.Module):
                     "subclass that defines f and g"
                 )
         self.engine = "autograd"
+        # Under cuda_graphs=True: the stack's captured step (NOTE [ CUDA graphs of a stack ] in
+        # graphs.py); None: eager. _graph_rng: the branches' streams while a step is captured.
+        self._cuda_graphs: Optional[_StackGraphs] = None
+        self._graph_rng: Optional[Any] = None
         # Under "pareprop": PaReprop or Reprop, measured on the first backward passes.
         self._schedule = ScheduleChoice(
             f"a ReversibleStack of {len(self.blocks)} {type(self.blocks[0]).__name__} blocks")
@@ -93,12 +107,26 @@ class ReversibleStack(nn.Module):
         # Under autograd: each block in torch.utils.checkpoint (see set_block_checkpointing).
         self.checkpoint_blocks = False
 
-    def set_engine(self, name: str, fallback: Optional[bool] = None) -> "ReversibleStack":
+    def set_engine(
+        self, name: str, fallback: Optional[bool] = None, cuda_graphs: Optional[bool] = None
+    ) -> "ReversibleStack":
         """Run backward with engine ``name``. Under ``"pareprop"`` the stack measures PaReprop
         against Reprop on its first backward passes on a GPU and keeps the faster
         (:func:`chosen_schedule`); ``fallback=False`` always runs PaReprop, True measures
-        again, None (the default) keeps the setting. Setting an engine measures again."""
+        again, None (the default) keeps the setting. Setting an engine measures again.
+
+        ``cuda_graphs=True`` captures the stack's training forward and backward under the
+        engine as CUDA graphs after a few eager steps and replays them (NOTE [ CUDA graphs of a
+        stack ] in graphs.py), False runs eagerly, None keeps the setting; setting an engine
+        with graphs on captures anew. Refused, naming the option: chunked branches, FSDP2
+        sharding, checkpointed blocks, debug_reconstruction, and ``fallback=True``."""
         _check_engine(name)
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        graphs = self._cuda_graphs is not None if cuda_graphs is None else cuda_graphs
+        _check_fallback(graphs, fallback)
+        if graphs:
+            check_capturable(self, "this ReversibleStack")
         if fallback is not None:
             self._schedule.enabled = bool(fallback)
         self._schedule.reset()
@@ -111,10 +139,23 @@ class ReversibleStack(nn.Module):
                     "track_running_stats=False, or engine='autograd'"
                 )
         self.engine = name
+        self._cuda_graphs = _StackGraphs() if graphs else None  # captured anew
         return self
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the stack runs its training steps as CUDA graphs (:meth:`set_engine`)."""
+        return self._cuda_graphs is not None
+
+    @property
+    def cuda_graph_status(self) -> str:
+        """``"off"``, ``"warming up (k of n eager steps)"`` or ``"captured (inputs SHAPE)"``."""
+        return "off" if self._cuda_graphs is None else self._cuda_graphs.status()
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        if self._cuda_graphs is not None:  # and captured again, on the new tensors
+            self._cuda_graphs.reset()
         return super()._apply(fn, recurse)
 
     def store_blocks(self, indices: Iterable[int]) -> "ReversibleStack":
@@ -133,6 +174,8 @@ class ReversibleStack(nn.Module):
             chosen.add(i % depth)
         if tuple(sorted(chosen)) != getattr(self, "stored_blocks", ()):
             self._schedule.reset()  # stored blocks change what PaReprop overlaps
+            if self._cuda_graphs is not None:  # and what a captured step runs
+                self._cuda_graphs.reset()
         self.stored_blocks = tuple(sorted(chosen))
         return self
 
@@ -168,7 +211,8 @@ class ReversibleStack(nn.Module):
             f", chunks={self.chunking.count}" if self.chunking.count is not None
             else f", chunk_bytes={self.chunking.max_bytes}")
         ckpt = ", checkpoint_blocks=True" if self.checkpoint_blocks else ""
-        return f"engine={self.engine!r}{stored}{chunking}{ckpt}"
+        graphs = ", cuda_graphs=True" if self._cuda_graphs is not None else ""
+        return f"engine={self.engine!r}{stored}{chunking}{ckpt}{graphs}"
 
     def keeps_outputs(self) -> bool:
         """Whether a forward now keeps the stack's two output streams for backward: a
@@ -182,6 +226,17 @@ class ReversibleStack(nn.Module):
         _check_streams(x1, x2)
         _check_constants(kwargs)
         x1, x2 = _full_precision_streams(x1, x2, self.blocks)
+        if (self._cuda_graphs is not None and self.training and torch.is_grad_enabled()
+                and self.probe is None):  # the memory dial measures blocks eagerly
+            if self.engine != "autograd":  # a replay skips _forward_reversible's check
+                _forward_betas(self.blocks, [i in self.stored_blocks
+                                             for i in range(len(self.blocks))])
+            return self._cuda_graphs.run(self, x1, x2, kwargs, self._schedule.label)
+        return self._run(x1, x2, kwargs)
+
+    def _run(self, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
+        """The stack's forward under its engine, eager (or being captured: ``_graph_rng``)."""
+        rng = self._graph_rng
         if self.engine == "autograd" or not self.training or not torch.is_grad_enabled():
             # A sharded block's own call runs FSDP's hooks (gather, and under autograd the
             # backward hooks), as for any FSDP unit.
@@ -190,8 +245,11 @@ class ReversibleStack(nn.Module):
                 for block in self.blocks:
                     x1, x2 = checkpoint(run, block, x1, x2, kwargs, use_reentrant=False)
                 return x1, x2
-            for block in self.blocks:
-                x1, x2 = run(block, x1, x2, kwargs)
+            for index, block in enumerate(self.blocks):
+                if rng is None:
+                    x1, x2 = run(block, x1, x2, kwargs)
+                else:  # every engine draws from the branches' streams in a captured step
+                    x1, x2 = _couple(block, x1, x2, kwargs, rng=rng, index=index)
             return x1, x2
         return self._forward_reversible(x1, x2, **kwargs)
 
@@ -228,7 +286,9 @@ class ReversibleStack(nn.Module):
             sharding=self.sharding,
             chunking=self.chunking,
             chunk_costs=self._chunk_costs,
-            schedule=self._schedule,
+            # Under CUDA graphs the schedule named runs as it is (NOTE [ CUDA graphs of a stack ]).
+            schedule=self._schedule if self._cuda_graphs is None else None,
+            graph_rng=self._graph_rng,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
         self.last_reconstruction_errors = plan.reconstruction_errors
@@ -313,7 +373,10 @@ def _check_constants(kwargs: Dict[str, Any]) -> None:
             )
 
 
-def set_engine(module: nn.Module, name: str, fallback: Optional[bool] = None) -> nn.Module:
+def set_engine(
+    module: nn.Module, name: str, fallback: Optional[bool] = None,
+    cuda_graphs: Optional[bool] = None,
+) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``.
 
     ``"auto"`` (the blocks that fit a memory budget stored, the rest recomputed) is chosen
@@ -321,6 +384,9 @@ def set_engine(module: nn.Module, name: str, fallback: Optional[bool] = None) ->
     ``fallback`` (engine ``"pareprop"``): False always runs PaReprop, True lets each stack keep
     Reprop where it measures faster (the default; NOTE [ PaReprop's fallback to Reprop ] in
     pareprop/schedule.py); None keeps each stack's setting.
+    ``cuda_graphs``: True captures each stack's training step as CUDA graphs and replays it
+    (for host-bound small batches; NOTE [ CUDA graphs of a stack ] in engine/graphs.py), False
+    runs eagerly, None keeps each stack's setting. Every stack is checked before any changes.
     """
     if name == "auto":
         raise ValueError(
@@ -330,10 +396,16 @@ def set_engine(module: nn.Module, name: str, fallback: Optional[bool] = None) ->
     _check_engine(name)
     if fallback is not None and not isinstance(fallback, bool):
         raise TypeError(f"fallback must be True, False or None, got {fallback!r}")
-    for path, m in module.named_modules():
-        if isinstance(m, ReversibleStack):
-            m.set_engine(name, fallback)
-            m._schedule.label = _stack_label(path, m)
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+    stacks = [(path, m) for path, m in module.named_modules() if isinstance(m, ReversibleStack)]
+    for path, m in stacks:  # checked before any stack changes
+        if cuda_graphs or (cuda_graphs is None and m.cuda_graphs):
+            _check_fallback(True, fallback)
+            check_capturable(m, _stack_label(path, m))
+    for path, m in stacks:
+        m.set_engine(name, fallback, cuda_graphs)
+        m._schedule.label = _stack_label(path, m)
     return module
 
 
@@ -370,6 +442,11 @@ def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
                 reasons[path] = ("reversible", "chunked branches run Reprop's schedule: chunking "
                                  "is for memory, PaReprop for idle device time (NOTE [ Chunking "
                                  "runs Reprop ])")
+                continue
+            if m.cuda_graphs:
+                reasons[path] = ("pareprop", "CUDA graphs capture PaReprop's schedule as it is: "
+                                 "the fallback does not measure (engine 'reversible' for "
+                                 "Reprop's)")
                 continue
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
             m._schedule.label = _stack_label(path, m)
