@@ -434,12 +434,21 @@ def set_engine(
     memory_budget: Optional[Budget] = None,
     example_inputs: Any = None,
     fallback: Optional[bool] = None,
+    cuda_graphs: Optional[bool] = None,
 ) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``
     (:func:`pareprop.engine.set_engine`), or let a memory budget choose: ``pareprop.set_engine``.
 
     ``fallback=False`` makes engine ``"pareprop"`` always run PaReprop instead of keeping Reprop
     where it measures faster (:func:`pareprop.chosen_schedule`).
+
+    ``cuda_graphs=True`` captures each stack's training forward and backward as CUDA graphs
+    after a few eager steps and replays them, for small batches where the host, issuing
+    kernels, sets the pace (NOTE [ CUDA graphs of a stack ] in pareprop/engine/graphs.py;
+    docs/cuda_graphs.md). CUDA only; chunking, FSDP2 sharding, checkpointed blocks,
+    debug_reconstruction and ``fallback=True`` are refused. False runs eagerly; None (the
+    default) keeps each stack's setting. Under ``"auto"`` the budget measures the blocks
+    eagerly first. Its speed is not measured yet (benchmarks/small_batch.py --graphs).
 
     ``name="auto"`` with a ``memory_budget`` (bytes, ``"12GiB"`` or a fraction from 0 to 1) and
     ``example_inputs`` stores the blocks that fit and recomputes the rest, on pareprop (CUDA) or
@@ -452,14 +461,22 @@ def set_engine(
     if name != "auto":
         if memory_budget is not None:
             raise ValueError(f"memory_budget= goes with engine='auto', not {name!r}")
-        return engine_lib.set_engine(module, name, fallback)
+        return engine_lib.set_engine(module, name, fallback, cuda_graphs)
     if memory_budget is None or example_inputs is None:
         raise ValueError(
             "engine='auto' needs memory_budget= (bytes, '12GiB' or a fraction from 0 to 1) "
             "and example_inputs= (a batch to measure the blocks on)"
         )
-    for m in module.modules():
-        if isinstance(m, ReversibleStack) and (m.engine == "autograd" or fallback is not None):
+    stacks = [m for m in module.modules() if isinstance(m, ReversibleStack)]
+    # The dial measures blocks with eager steps: graphs off while it does, then as asked.
+    graphs = cuda_graphs if cuda_graphs is not None else any(m.cuda_graphs for m in stacks)
+    for m in stacks:
+        if m.cuda_graphs:
+            m.set_engine(m.engine, cuda_graphs=False)
+        if m.engine == "autograd" or fallback is not None:
             m.set_engine("reversible" if m.engine == "autograd" else m.engine, fallback)
     module.memory_plan = set_memory_budget(module, memory_budget, example_inputs)
+    if graphs:
+        for m in stacks:
+            m.set_engine(m.engine, cuda_graphs=True)
     return module
