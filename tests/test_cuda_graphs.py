@@ -472,3 +472,17 @@ def test_this_torch_has_the_graph_api_the_cuda_side_calls():
     assert not missing
     for name in ("graph", "graph_pool_handle", "default_generators"):
         assert hasattr(torch.cuda, name)
+
+
+def test_the_memory_dial_measures_eagerly_then_graphs_are_on(stand_in):
+    # engine="auto" measures blocks with eager steps: graphs are off while it does, and on
+    # again afterwards, as asked (or as the stacks had them).
+    model = _vit("reversible")
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    pareprop.set_engine(model, "reversible", cuda_graphs=True)
+    pareprop.set_engine(model, "auto", memory_budget=0.5, example_inputs=(x,))
+    assert model.memory_plan is not None
+    assert all(s.cuda_graphs and s.cuda_graph_status.startswith("warming up")
+               for s in _stacks(model))
+    pareprop.set_engine(model, "auto", memory_budget=0.5, example_inputs=(x,), cuda_graphs=False)
+    assert not any(s.cuda_graphs for s in _stacks(model))
