@@ -120,22 +120,30 @@ def chunks(size: int, count: int) -> List[Chunk]:
 
 
 # NOTE [ Planning a chunked branch from its distinct chunks ]
-# A plan (pareprop.plan_memory) traces the step under FakeTensorMode and MemTracker, and its
-# time is the number of operators traced: a branch in 64 chunks traces its graph 64 times, for
-# no new fact, since the chunks of a branch are alike. What a chunk allocates and frees depends
-# on its length and on what the chunks before it left alive: the parameter-gradient
+# A plan (pareprop.plan_memory) traces the step under FakeTensorMode and a storage counter, and
+# its time is the number of operators traced: a branch in 64 chunks traces its graph 64 times,
+# for no new fact, since the chunks of a branch are alike. What a chunk allocates and frees
+# depends on its length and on what the chunks before it left alive: the parameter-gradient
 # accumulators the first chunk creates, and the previous chunk's output and input gradient,
 # which the loop still holds while the next chunk's graph is built. A chunk's peak is therefore
-# fixed by (previous length, length), and it returns to the same memory it started from
-# (its output and gradients are written into the streams in place). So a plan that traces the
-# first chunk and then one chunk of each (previous length, length) pair met in order sees
-# every peak the whole loop reaches, and the plan's peak is exactly the full trace's:
-# ``chunks`` gives at most two lengths (the longer first), so at most four chunks are traced
-# (tests/test_memory.py compares against the full trace). Fake tensors hold no values, so the
-# chunks left out change nothing else. The checkpointed blocks of pareprop.layers.recompute
-# keep every chunk's output until they are joined, and every chunk's input gradient until the
-# last is done, so there the chunks differ by what came before: see NOTE [ Planning
-# checkpointed chunks ] in that module.
+# fixed by (previous length, length), and it returns to the same memory it started from (its
+# output and gradients are written into the streams in place) but for the previous chunk's
+# leftovers, which the loop keeps past its end for the last chunk. Every chunk runs the same
+# operators on tensors whose sizes do not shrink as the lengths grow, so a chunk whose
+# (previous length, length) is no larger in both than another's peaks no higher. ``chunks``
+# gives at most two lengths, the longer first, so the second chunk's pair is the largest of
+# the loop's, and a plan traces at most three chunks: the first (the accumulators), the second
+# (the largest peak of the rest) and, when its length is not the second's, the last (what the
+# loop leaves when it ends; traced after the second, whose leftovers are no smaller than those
+# it follows in the whole loop, it still peaks no higher than the second). The plan's peak is
+# exactly the full trace's
+# (tests/test_memory.py compares every figure on every family, with chunks of two lengths).
+# Fake tensors hold no values, so the chunks left out change nothing else. Until 2026-12-04 a
+# plan traced one chunk of each (previous length, length) pair, up to four; three cut a
+# Rev-MViTv2-B plan in chunks of 1/32 from 8.1 to 6.2 s. The checkpointed blocks of
+# pareprop.layers.recompute keep every chunk's output until they are joined, and every chunk's
+# input gradient until the last is done, so there the chunks differ by what came before: see
+# NOTE [ Planning checkpointed chunks ] in that module.
 _DISTINCT_ONLY = [0]  # > 0 while a plan traces only the distinct chunks
 
 
@@ -157,16 +165,11 @@ def tracing_distinct() -> bool:
 
 def distinct_chunks(pieces: List[Chunk]) -> List[Chunk]:
     """``pieces`` (from :func:`chunks`), or under :func:`tracing_distinct_chunks` their first
-    chunk and the first of each (previous length, length) pair after it."""
-    if not _DISTINCT_ONLY[0]:
+    and second chunk and, when its length is not the second's, the last (NOTE [ Planning a
+    chunked branch from its distinct chunks ])."""
+    if not _DISTINCT_ONLY[0] or len(pieces) <= 2:
         return pieces
-    seen, kept = set(), pieces[:1]
-    for before, chunk in zip(pieces, pieces[1:]):
-        pair = (before.length, chunk.length)
-        if pair not in seen:
-            seen.add(pair)
-            kept.append(chunk)
-    return kept
+    return pieces[:2] + ([pieces[-1]] if pieces[-1].length != pieces[1].length else [])
 
 
 @dataclass(frozen=True)
