@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pareprop.chunking import measuring
 from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -77,7 +78,10 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
 #     summed in time order; nothing hooked), this tracker 0.02-0.1% (kernels' scratch
 #     memory, which no operator returns). Steps without chunks count the same either way.
 #     ``UntypedStorage.resize_`` bypasses the dispatcher, so it is wrapped while the tracker
-#     runs, as ``MemTracker`` does.
+#     runs, as ``MemTracker`` does. What is made while a chunk's cost is measured (a step
+#     of training after the first does not measure) is left out, and counted from the
+#     measurement's end if it outlives it (NOTE [ Chunk costs while planning ] in
+#     pareprop/chunking.py).
 class StepPeakTracker(TorchDispatchMode):
     """The current and peak bytes of every storage alive during a step (NOTE [ Counting
     storages ]). ``track_external`` what exists before the step, then run it inside
@@ -88,6 +92,7 @@ class StepPeakTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self._sizes: Dict[int, list] = {}  # id(storage) -> [weak reference, bytes counted]
+        self._aside: Dict[int, list] = {}  # made while a chunk's cost was measured
         self._orig_resize = None
 
     def track_external(self, *objects: Any) -> None:
@@ -114,11 +119,17 @@ class StepPeakTracker(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
 
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage unless it is counted; follow a change of its size."""
+        """Count ``t``'s storage unless it is counted; follow a change of its size. While a
+        chunk's cost is measured, a new storage is set aside, and counted only if it outlives
+        the measurement (NOTE [ Chunk costs while planning ] in pareprop/chunking.py)."""
         st = t.untyped_storage()
         key = id(st)
         entry = self._sizes.get(key)
         if entry is None:
+            if measuring():
+                if key not in self._aside:
+                    self._aside[key] = [weakref.ref(st, partial(self._dropped, key)), st.nbytes()]
+                return
             size = st.nbytes()
             self._sizes[key] = [weakref.ref(st, partial(self._freed, key)), size]
             self.current += size
@@ -132,6 +143,20 @@ class StepPeakTracker(TorchDispatchMode):
             del self._sizes[key]
             self.current -= entry[1]
 
+    def _dropped(self, key: int, ref: Any) -> None:
+        entry = self._aside.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._aside[key]
+
+    def _count_aside(self) -> None:
+        """Count what a measurement made and left alive, from now on."""
+        for key, (ref, _) in list(self._aside.items()):
+            st = ref()
+            del self._aside[key]
+            if st is not None and key not in self._sizes:
+                self._sizes[key] = [weakref.ref(st, partial(self._freed, key)), st.nbytes()]
+                self.current += st.nbytes()
+
     def _outputs(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             self.track(out)
@@ -144,6 +169,8 @@ class StepPeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._aside and not measuring():
+            self._count_aside()
         self._outputs(out)
         if self.current > self.peak:
             self.peak = self.current
@@ -167,6 +194,9 @@ class StepPeakTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._aside and not measuring():
+            self._count_aside()
+            self.peak = max(self.peak, self.current)
         super().__exit__(*exc)
 
 

@@ -380,10 +380,11 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 #     once). The guess plans from the smallest chunk up, while each is within the tolerance of
 #     the lowest peak so far (``_guess_auto``): at 80 GiB two plans, where choosing there as
 #     at the answer took four or five (whole branches first); it need not be the choice, which
-#     is made, exactly, where it counts. The answer ``lo`` is exact in the sense of the per-batch search at ``lo``
-#     (its own choice among the chunkings, planned) and for the chosen fraction at ``lo + 1``;
-#     the other fractions are not planned at ``lo + 1``, where a choice other than ``lo``'s
-#     would need peaks within a sample's growth of the tolerance's edge.
+#     is made, exactly, where it counts. The answer ``lo`` is exact in the sense of the
+#     per-batch search at ``lo`` (its own choice among the chunkings, planned) and for the
+#     chosen fraction at ``lo + 1``; the other fractions are not planned at ``lo + 1``, where
+#     a choice other than ``lo``'s would need peaks within a sample's growth of the
+#     tolerance's edge.
 def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
                         **kwargs: Any) -> Tuple[int, List[MemoryReport]]:
     base = plan_memory(name, first, engine, **kwargs)
