@@ -70,13 +70,19 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
 #     the start. Until 2026-12-04 torch's ``MemTracker`` counted, which does the same and also
 #     keeps per-module statistics through ``ModTracker``: hooks on every module call, and
 #     gradient hooks on the inputs and outputs of each, whose closures hold the inputs'
-#     autograd nodes while the nodes hold the hooks. That bookkeeping was about 40% of a
-#     plan's time (Rev-MViTv2-B in chunks of 1/32 at batch 8335: 16.2 s a plan, 10.0 s
-#     with this tracker), and the hooks kept tensors alive that the step itself frees: on
-#     real CPU steps of Rev-Swin-T and Rev-MViTv2-B in chunks ``MemTracker`` counted 4.5-6%
-#     more than the CPU allocator's own events (``torch.profiler`` with ``profile_memory``,
-#     summed in time order; nothing hooked), this tracker 0.02-0.1% (kernels' scratch
-#     memory, which no operator returns). Steps without chunks count the same either way.
+#     autograd nodes while the nodes hold the hooks, a cycle through C++ that no collector
+#     frees. That bookkeeping was about 40% of a plan's time (Rev-MViTv2-B in chunks of 1/32
+#     at batch 8335: 16.2 s a plan, 10.0 s with this tracker), and its hooks kept alive, for
+#     the rest of the step, the graphs built to measure a chunk's cost (NOTE [ Measuring a
+#     chunk's graph ] in pareprop/chunking.py), which are never differentiated: plans in
+#     chunks counted up to 8% more than the step holds (Rev-Swin-T at batch 9039 in chunks of
+#     1/8: 92.47e9 bytes, 85.90e9 with this tracker, and 85.90e9 with MemTracker when the
+#     measurements are not made in that plan), and on real CPU steps of Rev-Swin-T and
+#     Rev-MViTv2-B in chunks MemTracker counted 4.5-6% more than the CPU allocator's own
+#     events (``torch.profiler`` with ``profile_memory``, summed in time order; nothing
+#     hooked), this tracker within 0.3% of them, either way (kernels' scratch memory, which
+#     no operator returns; events of one microsecond, whose order is lost;
+#     tests/test_step_tracker.py). Steps without chunks count the same either way.
 #     ``UntypedStorage.resize_`` bypasses the dispatcher, so it is wrapped while the tracker
 #     runs, as ``MemTracker`` does. What is made while a chunk's cost is measured (a step
 #     of training after the first does not measure) is left out, and counted from the
