@@ -8,9 +8,9 @@ the CPU, in one run.
 For each model and engine: the engine with whole branches and with chunked ones. Each runs
 full training steps (forward, cross-entropy, backward, AdamW); the configurations take turns,
 one step each per round, so machine load falls on all alike; medians over the rounds. The
-peak of one step is ``pareprop.memory_report`` on real CPU tensors (torch's MemTracker: every
-storage alive at once, parameters, gradients and AdamW's state included). Prints a table and
-writes results.json.
+peak of one step is ``pareprop.memory_report`` on real CPU tensors (pareprop's
+StepPeakTracker: every storage alive at once, parameters, gradients and AdamW's state
+included). Prints a table and writes results.json.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ it. Plans one step as ``pareprop plan`` does (fake tensors, nothing allocated).
         [--depth N] [--device cuda] [--top 16]
 
 The breakdown table (parameters, activations kept, transient, floor) is the plan's own;
-the rest comes from a subclass of torch's MemTracker (the counter plan_memory uses) that, at
+the rest comes from a subclass of pareprop's StepPeakTracker (the counter plan_memory uses) that, at
 each new peak, records the operator and the tensors alive. Used for BENCHMARKS.md's "what sets
 the peak" lines.
 """
@@ -28,45 +28,40 @@ _SMALLEST = 2**20  # tensors below 1 MiB are not described
 def _pareprop_frames(limit: int) -> List[str]:
     frames = [f"{f.name}:{f.lineno}" for f in traceback.extract_stack()
               if "pareprop" in f.filename and "peak_operator" not in f.filename
-              and f.name != "__torch_function__"]
+              and f.name not in ("__torch_function__", "__torch_dispatch__")]
     return frames[-limit:]
 
 
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import (
-        _TOTAL_KEY,
-        MemTracker,
-        get_untyped_storages,
-    )
-
-    class PeakOperatorTracker(MemTracker):
-        """Keeps the step's peak only (as memory/measure.py's tracker) and, at each new
-        peak, what is alive."""
+    class PeakOperatorTracker(measure.StepPeakTracker):
+        """The planner's counter that, at each new peak, records what is alive."""
 
         peak_info: Optional[Tuple[int, str, List[str], List[Tuple[int, str]]]] = None
         _op: str = ""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._made_by: Dict[int, str] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._op = str(func)
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def _track(self, reftype: Any, t: Any) -> None:
-            new = [st for st in get_untyped_storages(t) if self._WINFO.get(st) is None]
-            super()._track(reftype, t)
-            for st in new:
-                winfo = self._WINFO.get(st, (None, None))[0]
-                if winfo is not None and winfo.mem_consumed >= _SMALLEST:
-                    site = " < ".join(reversed(_pareprop_frames(3)))
-                    winfo.made_by = f"{self._op} {tuple(t.shape)} {t.dtype} at {site}"
+        def track(self, t: Any) -> None:
+            key = id(t.untyped_storage())
+            new = key not in self._sizes
+            super().track(t)
+            if new and self._sizes[key][1] >= _SMALLEST:
+                site = " < ".join(reversed(_pareprop_frames(3)))
+                self._made_by[key] = f"{self._op} {tuple(t.shape)} {t.dtype} at {site}"
+            elif new:
+                self._made_by.pop(key, None)  # an id reused by a small storage
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    live = [(w.mem_consumed, getattr(w, "made_by", "(made before the step)"))
-                            for w, ref in self._WINFO.values() if ref() is not None]
-                    live.sort(key=lambda item: -item[0])
-                    self.peak_info = (snap[_TOTAL_KEY], self._op, _pareprop_frames(8), live)
+        def _new_peak(self) -> None:
+            live = [(size, self._made_by.get(key, "(made before the step)"))
+                    for key, (ref, size) in self._sizes.items() if ref() is not None]
+            live.sort(key=lambda item: -item[0])
+            self.peak_info = (self.current, self._op, _pareprop_frames(8), live)
 
     return PeakOperatorTracker
 

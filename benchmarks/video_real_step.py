@@ -5,8 +5,8 @@
 
 Rev-MViT-B 16x4 (full width and depth; reversible engine, transitions checkpointed) and
 torchvision's ``mvit_v1_b`` (every block checkpointed) at a small clip size: one real step
-(forward, cross-entropy, backward, AdamW) measured by ``pareprop.memory_report`` (torch's
-MemTracker on real tensors, not RSS) against ``pareprop.plan_memory`` of the same
+(forward, cross-entropy, backward, AdamW) measured by ``pareprop.memory_report`` (pareprop's
+StepPeakTracker on real tensors, not RSS) against ``pareprop.plan_memory`` of the same
 configuration (FakeTensorMode, nothing allocated). Prints every field of both reports and
 their difference; writes results.json under ``--out``.
 """

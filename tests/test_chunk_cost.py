@@ -133,3 +133,98 @@ def test_rev_vit_head_in_chunks_keeps_no_whole_2c_map(monkeypatch):
         whole = pareprop.memory_report(model, x, optimizer="sgd").peak
     two_c_map = 64 * 64 * 128 * 4  # batch x tokens x 2C, float32
     assert whole - chunked > 0.25 * two_c_map, (whole - chunked) / two_c_map
+
+
+# NOTE [ Chunk costs while planning ]: plans share measurements among modules of one structure.
+
+
+def test_blocks_alike_have_one_structure_and_settings_tell_them_apart():
+    from pareprop.chunking import structure
+    from pareprop.engine import ReversibleStack
+
+    with torch.device("meta"):  # stages of 1, 1, 10 and 1 blocks
+        model = pareprop.create_model("rev_mvitv2_base", num_classes=10)
+    stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+    deep = next(s for s in stacks if len(s.blocks) > 1)
+    assert structure(deep.blocks[0]) == structure(deep.blocks[1]) is not None
+    assert structure(stacks[0].blocks[0]) != structure(deep.blocks[0])  # other widths
+    assert hash(structure(deep.blocks[0]))  # a key
+    block = deep.blocks[1]
+    block.training = False
+    assert structure(block) != structure(deep.blocks[0])
+    block.training = True
+    block.attn.num_heads = True  # a bool is not the int 1
+    one = structure(block)
+    block.attn.num_heads = 1
+    assert one != structure(block)
+    handle = block.mlp.register_forward_hook(lambda *a: None)
+    assert structure(block) is None  # a hook may do anything
+    handle.remove()
+    block.scale_fn = lambda x: x  # a setting that is no plain value
+    assert structure(block) is None
+    assert structure(object()) is None
+
+
+def _graph_bytes_calls(monkeypatch):
+    from pareprop.layers import recompute
+
+    calls = []
+    for module in (chunked, recompute):
+        real = module.graph_bytes
+        monkeypatch.setattr(module, "graph_bytes",
+                            lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name, ckpt, overrides", [
+    ("rev_vit_tiny_patch4_32", False, {}),
+    pytest.param("rev_mvitv2_tiny_32", True, {}, marks=pytest.mark.slow),
+    pytest.param("rev_swin_tiny_32", True, {"embed_dim": 24, "num_heads": (1, 2, 3, 4)},
+                 marks=pytest.mark.slow),
+])
+def test_plans_that_share_chunk_costs_are_the_plans_that_measure_them(name, ckpt, overrides,
+                                                                      monkeypatch):
+    from pareprop import chunking
+    from pareprop.memory import plan_memory
+
+    kw = dict(device="cpu", num_classes=10, grad_checkpointing=ckpt, **overrides)
+    configs = [(6, 16 * 2**10), (6, 64 * 2**10), (10, 256 * 2**10), (6, 16 * 2**10)]
+    calls = _graph_bytes_calls(monkeypatch)
+    monkeypatch.setattr(chunking, "_PLANNED_COSTS", {})
+    shared, counts = [], []
+    for batch, size in configs:
+        shared.append(plan_memory(name, batch, "reversible", chunk_bytes=size, **kw).to_dict())
+        counts.append(len(calls))
+        calls.clear()
+    # the same batch again: only what has no structure to share (Rev-ViT's head, not a module)
+    assert counts[1] == counts[3] < counts[0]
+    monkeypatch.setattr(chunking, "planned_cost", lambda module, key, measure: measure())
+    for module in (chunked, pareprop.layers.recompute):
+        monkeypatch.setattr(module, "planned_cost", chunking.planned_cost)
+    measured, every = [], []
+    for batch, size in configs:
+        measured.append(plan_memory(name, batch, "reversible", chunk_bytes=size, **kw).to_dict())
+        every.append(len(calls))
+        calls.clear()
+    assert shared == measured
+    assert all(n <= m for n, m in zip(counts, every)) and sum(counts) < sum(every)
+
+
+def test_what_a_measurement_makes_is_not_counted_unless_it_outlives_it(monkeypatch):
+    from pareprop import chunking
+    from pareprop.memory.measure import StepPeakTracker
+
+    tracker = StepPeakTracker()
+    with tracker:
+        base = torch.zeros(100)  # 400 bytes
+        monkeypatch.setattr(chunking, "_MEASURING", [1])
+        graph = torch.ones(1000)  # a measured graph: 4000 bytes, never counted
+        left = torch.ones(10)  # outlives the measurement: 40 bytes, counted from its end
+        aliased = base[:50] + 0  # 200 bytes, freed inside
+        del graph, aliased
+        monkeypatch.setattr(chunking, "_MEASURING", [0])
+        assert tracker.current == tracker.peak == 400
+        after = base * 2  # the next operator counts what the measurement left
+        assert tracker.current == 400 + 40 + 400
+    assert tracker.peak == 840
+    del after, left

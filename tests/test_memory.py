@@ -82,35 +82,47 @@ def test_chunked_plan_agrees_with_the_real_step_and_plans_less(name, engine):
     assert plan.peak == pytest.approx(real.peak, rel=0.02)
     # (at batch 4 these models' steps are mostly parameters, gradients and AdamW's state, and
     # chunks save little or nothing: where chunks pay is the auto test below and BENCHMARKS.md)
-    # the floor: fixed parts and eight maps of the largest stack's stream, the same either way
+    # the floor: fixed parts and six maps of the largest stack's stream, the same either way
     assert plan.floor == whole.floor == real.floor
     assert plan.parameters + plan.gradients + plan.optimizer_state < plan.floor <= plan.peak
 
 
-@pytest.mark.parametrize("name, engine, ckpt", [
-    ("rev_vit_tiny_patch4_32", "reversible", False),
-    pytest.param("rev_mvitv2_tiny_32", "reversible", True, marks=SLOW),
-    pytest.param("rev_swin_tiny_32", "reversible", True, marks=SLOW),
-    pytest.param("rev_roberta_small", "reversible", False, marks=SLOW),
-    pytest.param("rev_swin_tiny_32", "pareprop", False, marks=SLOW),
-    pytest.param("rev_mvitv2_tiny_32", "pareprop", True, marks=SLOW),
+KIB = 2**10
+
+
+@pytest.mark.parametrize("name, engine, ckpt, batch, size", [
+    ("rev_vit_tiny_patch4_32", "reversible", False, 6, 16 * KIB),
+    ("rev_vit_tiny_patch4_32", "reversible", False, 511, 5_000_000),
+    pytest.param("rev_mvitv2_tiny_32", "reversible", True, 6, 16 * KIB, marks=SLOW),
+    pytest.param("rev_mvitv2_tiny_32", "reversible", True, 10, 256 * KIB, marks=SLOW),
+    pytest.param("rev_swin_tiny_32", "reversible", True, 6, 16 * KIB, marks=SLOW),
+    pytest.param("rev_swin_tiny_32", "reversible", True, 10, 64 * KIB, marks=SLOW),
+    pytest.param("rev_roberta_small", "reversible", False, 6, 16 * KIB, marks=SLOW),
+    pytest.param("rev_roberta_small", "reversible", False, 10, 128 * KIB, marks=SLOW),
+    pytest.param("rev_swin_tiny_32", "pareprop", False, 6, 16 * KIB, marks=SLOW),
+    pytest.param("rev_mvitv2_tiny_32", "pareprop", True, 6, 16 * KIB, marks=SLOW),
+    pytest.param("rev_mvitv2_tiny_32", "pareprop", True, 10, 256 * KIB, marks=SLOW),
 ])  # (Rev-MViT v1's blocks declare no split)
-def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, ckpt,
-                                                                  monkeypatch):
+def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, ckpt, batch,
+                                                                  size, monkeypatch):
     # NOTE [ Planning a chunked branch from its distinct chunks ] and NOTE [ Planning
     # checkpointed chunks ]: the plan traces a few chunks of each branch and checkpointed
-    # block, and its every figure is the trace of every chunk's, exactly; at batch 6 in chunks
-    # of 16 KiB the branches split unevenly (sample chunks of 2 and 1, token chunks of two
-    # lengths).
-    kw = dict(device="cpu", num_classes=10, chunk_bytes=16 * 2**10, grad_checkpointing=ckpt,
+    # block, and its every figure is the trace of every chunk's, exactly. In the second case
+    # of each family the sizes split some branches into chunks of two lengths, two or more of
+    # each (20 20 ... 19 19: samples of Rev-ViT at batch 511; tokens of Rev-RoBERTa and
+    # Rev-MViTv2, samples of Rev-Swin at batch 10), where the first, second and last chunk
+    # are traced and the others are not, the pairs (20, 19) and (19, 19) among them. Rev-ViT's
+    # peak is in such a branch: the second chunk's pair (20, 20) sets it.
+    kw = dict(device="cpu", num_classes=10, chunk_bytes=size, grad_checkpointing=ckpt,
               **FAMILIES[name])
-    traced, every, blocks = [], [], []
+    traced, every, blocks, pairs = [], [], [], []
     real_distinct, real_traced = engine_chunked.distinct_chunks, recompute._traced
 
     def counted(pieces):
         run = real_distinct(pieces)
         traced.append(len(run))
         every.append(len(pieces))
+        pairs.append(len({(a.length, b.length) for a, b in zip(pieces, pieces[1:])}))
         return run
 
     def counted_blocks(pieces):
@@ -120,27 +132,36 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
 
     monkeypatch.setattr(engine_chunked, "distinct_chunks", counted)
     monkeypatch.setattr(recompute, "_traced", counted_blocks)
-    distinct = plan_memory(name, 6, engine, **kw)
-    assert sum(traced) < sum(every) and max(traced) <= 4
+    distinct = plan_memory(name, batch, engine, **kw)
+    assert sum(traced) < sum(every) and max(traced) <= 3
+    if batch > 6:  # some branch has a pair of lengths that is not traced
+        assert any(n < 1 + p for n, p in zip(traced, pairs))
+    if batch == 511:  # and the second chunk sets the peak: without it the plan is lower
+        monkeypatch.setattr(engine_chunked, "distinct_chunks", lambda p: (
+            [p[0], p[-1]] if chunking.tracing_distinct() and len(p) > 1 else p))
+        assert plan_memory(name, batch, engine, **kw).peak < distinct.peak
+        monkeypatch.setattr(engine_chunked, "distinct_chunks", counted)
     if ckpt:  # checkpointed blocks in chunks, some of them stand-ins
         assert blocks and sum(n for n, _ in blocks) < sum(m for _, m in blocks)
     monkeypatch.setattr(plan_module, "tracing_distinct_chunks", contextlib.nullcontext)
     traced.clear()
-    full = plan_memory(name, 6, engine, **kw)
+    full = plan_memory(name, batch, engine, **kw)
     assert sum(traced) == sum(every) / 2  # every chunk, in the same branches
     assert distinct.to_dict() == full.to_dict()
 
 
-def test_distinct_chunks_are_the_first_and_one_per_pair_of_lengths():
-    def lengths(size, count):
+def test_distinct_chunks_are_the_first_the_second_and_a_last_of_another_length():
+    def traced(size, count):
         with chunking.tracing_distinct_chunks():
-            return [c.length for c in chunking.distinct_chunks(chunking.chunks(size, count))]
+            return [(c.index, c.length)
+                    for c in chunking.distinct_chunks(chunking.chunks(size, count))]
 
-    assert lengths(20, 7) == [3, 3, 2]  # 3 3 3 3 3 3 2: (3, 3) and (3, 2)
-    assert lengths(10, 4) == [3, 3, 2, 2]  # every pair: (3, 3), (3, 2), (2, 2)
-    assert lengths(64, 16) == [4, 4]
-    assert lengths(65, 16) == [5, 4, 4]  # the first alone is longer
-    assert lengths(5, 1) == [5]
+    assert traced(20, 7) == [(0, 3), (1, 3), (6, 2)]  # 3 3 3 3 3 3 2
+    assert traced(10, 4) == [(0, 3), (1, 3), (3, 2)]  # 3 3 2 2: (3, 2) and (2, 2) peak lower
+    assert traced(64, 16) == [(0, 4), (1, 4)]  # the last is the second's like
+    assert traced(65, 16) == [(0, 5), (1, 4)]  # the first alone is longer
+    assert traced(3, 3) == [(0, 1), (1, 1)]
+    assert traced(5, 1) == [(0, 5)]
     pieces = chunking.chunks(20, 7)
     assert chunking.distinct_chunks(pieces) == pieces  # not planning
 
@@ -221,6 +242,44 @@ def test_chord_search_is_exact_on_a_convex_peak_in_few_plans():
         assert (lo, hi) == (want, want + 1) and len(tried) <= 6, (memory, tried)
     assert plan_module._chord_search(peak, 500, {4: peak(4)}, 1000)[0] == 0
     assert plan_module._chord_search(peak, 10**8, {4: peak(4)}, 1000) == (MAX_BATCH, None)
+
+
+def test_chord_search_from_a_far_probe_closes_in_three_plans_and_a_jump_in_few():
+    # The probe (where the floor fits) can be a third above the answer: the first chord lands
+    # a batch or two short, the next closes it (a bisection after one short step, as until
+    # 2026-12-04, cost a plan more). A jump in the peak at the answer makes chords creep a
+    # batch at a time: two short steps in a row bisect.
+    gib = 2**30
+
+    def near_affine(bs):
+        return int(0.55 * gib + 0.00957 * gib * bs + 3e-9 * gib * bs * bs)
+
+    def jump(bs):
+        return int((79.81 - 0.0096 * 8230 + 0.0096 * bs + (0.19 if bs > 8230 else 0)) * gib)
+
+    for peak, probe, plans in ((near_affine, 10899, 3), (near_affine, 20000, 4),
+                               (jump, 8335, 6), (jump, 10899, 6)):
+        tried = []
+        want = max(b for b in range(1, 30000) if peak(b) <= 80 * gib)
+        lo, hi = plan_module._chord_search(lambda b, t=tried, f=peak: t.append(b) or f(b),
+                                           80 * gib,
+                                           {probe: peak(probe)}, int(0.55 * gib))
+        assert (lo, hi) == (want, want + 1) and len(tried) <= plans, (peak, probe, tried)
+
+
+@pytest.mark.parametrize("peaks, planned, guess", [
+    ((200, 100, 85, 81, 80), 2, 4),  # 1/8 is 1.25% above 1/32: the smallest
+    ((200, 100, 85, 80.5, 80), 3, 3),  # 1/8 within 1%, 1/2 not: 1/8
+    ((200, 100, 80, 80, 80), 4, 2),  # flat from 1/2
+    ((80, 80, 80, 80, 80), 5, 0),  # chunks change nothing: whole branches
+])
+def test_the_probe_plans_from_the_smallest_chunk_up_while_they_stay_within_tolerance(
+        peaks, planned, guess):
+    # NOTE [ The largest batch with chunk_bytes="auto" ]: the fraction searched is guessed at
+    # the probe from the smallest chunk up (the choice at the answer is exact).
+    seen = []
+    got = plan_module._guess_auto(len(peaks), lambda i: seen.append(i) or peaks[i])
+    assert got == guess and seen == list(range(len(peaks) - 1, len(peaks) - 1 - planned, -1))
 
 
 @pytest.mark.parametrize("peaks, planned", [

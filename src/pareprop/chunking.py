@@ -50,10 +50,11 @@ rebuild and differentiate a branch a piece at a time.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -120,22 +121,30 @@ def chunks(size: int, count: int) -> List[Chunk]:
 
 
 # NOTE [ Planning a chunked branch from its distinct chunks ]
-# A plan (pareprop.plan_memory) traces the step under FakeTensorMode and MemTracker, and its
-# time is the number of operators traced: a branch in 64 chunks traces its graph 64 times, for
-# no new fact, since the chunks of a branch are alike. What a chunk allocates and frees depends
-# on its length and on what the chunks before it left alive: the parameter-gradient
+# A plan (pareprop.plan_memory) traces the step under FakeTensorMode and a storage counter, and
+# its time is the number of operators traced: a branch in 64 chunks traces its graph 64 times,
+# for no new fact, since the chunks of a branch are alike. What a chunk allocates and frees
+# depends on its length and on what the chunks before it left alive: the parameter-gradient
 # accumulators the first chunk creates, and the previous chunk's output and input gradient,
 # which the loop still holds while the next chunk's graph is built. A chunk's peak is therefore
-# fixed by (previous length, length), and it returns to the same memory it started from
-# (its output and gradients are written into the streams in place). So a plan that traces the
-# first chunk and then one chunk of each (previous length, length) pair met in order sees
-# every peak the whole loop reaches, and the plan's peak is exactly the full trace's:
-# ``chunks`` gives at most two lengths (the longer first), so at most four chunks are traced
-# (tests/test_memory.py compares against the full trace). Fake tensors hold no values, so the
-# chunks left out change nothing else. The checkpointed blocks of pareprop.layers.recompute
-# keep every chunk's output until they are joined, and every chunk's input gradient until the
-# last is done, so there the chunks differ by what came before: see NOTE [ Planning
-# checkpointed chunks ] in that module.
+# fixed by (previous length, length), and it returns to the same memory it started from (its
+# output and gradients are written into the streams in place) but for the previous chunk's
+# leftovers, which the loop keeps past its end for the last chunk. Every chunk runs the same
+# operators on tensors whose sizes do not shrink as the lengths grow, so a chunk whose
+# (previous length, length) is no larger in both than another's peaks no higher. ``chunks``
+# gives at most two lengths, the longer first, so the second chunk's pair is the largest of
+# the loop's, and a plan traces at most three chunks: the first (the accumulators), the second
+# (the largest peak of the rest) and, when its length is not the second's, the last (what the
+# loop leaves when it ends; traced after the second, whose leftovers are no smaller than those
+# it follows in the whole loop, it still peaks no higher than the second). The plan's peak is
+# exactly the full trace's
+# (tests/test_memory.py compares every figure on every family, with chunks of two lengths).
+# Fake tensors hold no values, so the chunks left out change nothing else. Until 2026-12-04 a
+# plan traced one chunk of each (previous length, length) pair, up to four; three cut a
+# Rev-MViTv2-B plan in chunks of 1/32 from 8.1 to 6.2 s. The checkpointed blocks of
+# pareprop.layers.recompute keep every chunk's output until they are joined, and every chunk's
+# input gradient until the last is done, so there the chunks differ by what came before: see
+# NOTE [ Planning checkpointed chunks ] in that module.
 _DISTINCT_ONLY = [0]  # > 0 while a plan traces only the distinct chunks
 
 
@@ -157,16 +166,11 @@ def tracing_distinct() -> bool:
 
 def distinct_chunks(pieces: List[Chunk]) -> List[Chunk]:
     """``pieces`` (from :func:`chunks`), or under :func:`tracing_distinct_chunks` their first
-    chunk and the first of each (previous length, length) pair after it."""
-    if not _DISTINCT_ONLY[0]:
+    and second chunk and, when its length is not the second's, the last (NOTE [ Planning a
+    chunked branch from its distinct chunks ])."""
+    if not _DISTINCT_ONLY[0] or len(pieces) <= 2:
         return pieces
-    seen, kept = set(), pieces[:1]
-    for before, chunk in zip(pieces, pieces[1:]):
-        pair = (before.length, chunk.length)
-        if pair not in seen:
-            seen.add(pair)
-            kept.append(chunk)
-    return kept
+    return pieces[:2] + ([pieces[-1]] if pieces[-1].length != pieces[1].length else [])
 
 
 @dataclass(frozen=True)
@@ -301,6 +305,7 @@ def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],
         # runs.
         return None
 
+    _MEASURING[0] += 1
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, leaves = build()
@@ -317,6 +322,119 @@ def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],
         # holds ``kept``, and ``kept`` holds the output and so the nodes: a cycle through C++
         # that the collector cannot see. Emptying ``kept`` breaks it.
         kept.clear()
+        _MEASURING[0] -= 1
+
+
+# NOTE [ Chunk costs while planning ]
+# Measuring a chunk's cost builds the graphs of chunks of one and two units (NOTE [ Measuring a
+# chunk's graph ]) once per block, branch and input: a stack keeps its measurements from step
+# to step, so in training only the first step measures. A plan builds a new model, so each
+# plan measured every block again: a fifth of a Rev-Swin-T plan's time, the same graphs each
+# time (the auto search plans up to five chunkings of one batch, and a stage's blocks are
+# alike). So two things:
+#
+# * What a step counts leaves the measurement out (``measuring()`` is true inside
+#   :func:`graph_bytes`; pareprop.memory's counter leaves out what is made then, and counts
+#   what outlives it from its end): a step of training is planned, not the first step, and
+#   what a plan counts does not depend on whether it measured.
+# * While planning (:func:`tracing_distinct_chunks`, fake tensors) a measurement is kept for
+#   the process, keyed by what it depends on: the module's structure (:func:`structure`: its
+#   class and settings, its parameters' and buffers' shapes, those of its submodules), the
+#   branch, the input's shape, strides, dtype and device, the autocast state, the split and
+#   the keyword arguments' structure. Blocks alike share one measurement, and so do plans of
+#   one model at one batch. A module whose structure cannot be told (an attribute that is not
+#   a plain value, a hook) is measured every time, as before.
+#
+# Fake tensors hold no values, so equal structures on equal inputs build equal graphs; the
+# tests compare every figure of plans with the cache and without it.
+_MEASURING = [0]  # > 0 while graph_bytes builds a chunk's graph
+_PLANNED_COSTS: Dict[Any, Tuple[float, float]] = {}
+
+
+def measuring() -> bool:
+    """Whether a chunk's cost is being measured (NOTE [ Chunk costs while planning ])."""
+    return _MEASURING[0] > 0
+
+
+def planned_cost(module: Any, key: Any, measure: Callable[[], Tuple[float, float]]
+                 ) -> Tuple[float, float]:
+    """``measure()``, or while planning the measurement of a module of the same structure on
+    the same ``key`` made before (NOTE [ Chunk costs while planning ])."""
+    if not _DISTINCT_ONLY[0]:
+        return measure()
+    shape = structure(module)
+    if shape is None or any(part is _NOT_PLAIN for part in key):
+        return measure()
+    full = (shape, key)
+    try:
+        return _PLANNED_COSTS[full]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable key: measured every time
+        return measure()
+    if len(_PLANNED_COSTS) > 4096:
+        _PLANNED_COSTS.clear()
+    cost = _PLANNED_COSTS[full] = measure()
+    return cost
+
+
+_NOT_PLAIN = object()
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+          "_forward_hooks_always_called")
+_NOT_SETTINGS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                 "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks", *_HOOKS}
+
+
+def plain(value: Any) -> Any:
+    """``value`` as a hashable description of what a computation can depend on: plain values
+    as they are, containers of them as tuples, tensors by shape, strides, dtype, device and
+    whether they require gradients (their values are not described: for fake tensors only),
+    functions defined at a module's top level by name; ``_NOT_PLAIN`` for anything else."""
+    if (inspect.isfunction(value) and value.__closure__ is None
+            and "<locals>" not in value.__qualname__):
+        return ("function", value.__module__, value.__qualname__)
+    if isinstance(value, (bool, int, float)):
+        return (type(value), value)  # True and 1 are equal, and hash alike
+    if value is None or isinstance(value, (str, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type,
+                value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        items = tuple(plain(v) for v in value)
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else (type(value), items)
+    if isinstance(value, dict):
+        items = tuple((plain(k), plain(v)) for k, v in value.items())
+        if any(k is _NOT_PLAIN or v is _NOT_PLAIN for k, v in items):
+            return _NOT_PLAIN
+        return (dict, items)
+    return _NOT_PLAIN
+
+
+def structure(module: Any) -> Optional[Tuple[Any, ...]]:
+    """What a module's computation on a fake tensor can depend on besides its input: for it
+    and each submodule, the class, every setting in its ``__dict__`` (plain values only), and
+    its parameters and buffers (shape, strides, dtype, device); None when that cannot be told
+    (not an ``nn.Module``, a setting that is no plain value, a forward or backward hook)."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    out = []
+    for name, m in module.named_modules(remove_duplicate=False):
+        if any(getattr(m, hook, None) for hook in _HOOKS):
+            return None
+        settings = []
+        for key in sorted(vars(m)):
+            if key in _NOT_SETTINGS:
+                continue
+            value = plain(vars(m)[key])
+            if value is _NOT_PLAIN:
+                return None
+            settings.append((key, value))
+        tensors = tuple((n, plain(t)) for n, t in (*m._parameters.items(), *m._buffers.items()))
+        out.append((name, type(m), tuple(settings), tensors))
+    return tuple(out)
 
 
 def linear_cost(measured: Sequence[int], name: str = "branch") -> Tuple[float, float]:

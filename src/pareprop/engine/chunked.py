@@ -12,7 +12,16 @@ from typing import Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from pareprop.chunking import Chunk, Split, chunks, distinct_chunks, graph_bytes, linear_cost
+from pareprop.chunking import (
+    Chunk,
+    Split,
+    chunks,
+    distinct_chunks,
+    graph_bytes,
+    linear_cost,
+    plain,
+    planned_cost,
+)
 from pareprop.engine.block import _skip, skip_scale
 from pareprop.engine.forward import _call_checked
 from pareprop.engine.plan import _BlockRecord, _Plan, _plan_beta
@@ -145,21 +154,26 @@ def _chunk_cost(
     if key in plan.chunk_costs:
         return plan.chunk_costs[key]
     block = plan.blocks[index]
-    measured = []
-    for units in (1, 2) if split.size >= 2 else (1,):
-        chunk = Chunk(0, 2, 0, units, split.size)
 
-        def build(chunk: Chunk = chunk) -> Tuple[Tensor, List[Tensor]]:
-            rng.restore(plan.device)
-            # A copy of one or two units, not a view: tools that hook module inputs in forward
-            # (torch's ModTracker, inside plan_memory's MemTracker) keep a leaf they saw, and
-            # a view would keep the whole stream with it.
-            leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
-            return _call_checked(block, name, leaf, plan.kwargs, chunk), [leaf]
+    def measure() -> Tuple[float, float]:
+        measured = []
+        for units in (1, 2) if split.size >= 2 else (1,):
+            chunk = Chunk(0, 2, 0, units, split.size)
 
-        measured.append(graph_bytes(build, free=block.parameters()))
-    cost = linear_cost(measured, f"block {index} ({type(block).__name__}) branch {name}")
-    plan.chunk_costs[key] = cost
+            def build(chunk: Chunk = chunk) -> Tuple[Tensor, List[Tensor]]:
+                rng.restore(plan.device)
+                # A copy of one or two units, not a view: tools that hook module inputs in
+                # forward (torch's ModTracker) keep a leaf they saw, and a view would keep the
+                # whole stream with it.
+                leaf = _chunk_input(x, split, chunk).detach().clone().requires_grad_(True)
+                return _call_checked(block, name, leaf, plan.kwargs, chunk), [leaf]
+
+            measured.append(graph_bytes(build, free=block.parameters()))
+        return linear_cost(measured, f"block {index} ({type(block).__name__}) branch {name}")
+
+    # While planning, blocks alike share one measurement (NOTE [ Chunk costs while planning ]).
+    plan.chunk_costs[key] = cost = planned_cost(block, (
+        "branch", name, plain(x), plan.autocast, split, plain(plan.kwargs)), measure)
     return cost
 
 

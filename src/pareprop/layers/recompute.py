@@ -49,6 +49,8 @@ from pareprop.chunking import (
     chunks,
     graph_bytes,
     linear_cost,
+    plain,
+    planned_cost,
     tracing_distinct,
 )
 
@@ -216,21 +218,27 @@ def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
     costs = _COSTS.setdefault(module, {})
     if key in costs:
         return costs[key]
-    state = _rng_state(x.device)
-    measured = []
-    for units in (1, 2) if split.size >= 2 else (1,):
-        chunk = Chunk(0, 2, 0, units, split.size)
+    def measure() -> Tuple[float, float]:
+        state = _rng_state(x.device)
+        measured = []
+        for units in (1, 2) if split.size >= 2 else (1,):
+            chunk = Chunk(0, 2, 0, units, split.size)
 
-        def build(chunk: Chunk = chunk) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-            # Copies, not views of the parts: a memory tracker's hooks (plan_memory,
-            # memory_report) can keep the measured graph alive in a reference cycle, and it
-            # must not hold the parts' storage then. A chunk's parts are slices of the parts
-            # kept anyway: no cost.
-            leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
-                      .detach().clone().requires_grad_(True) for p in parts]
-            return _Joined(module, join, chunk)(*leaves), leaves
+            def build(chunk: Chunk = chunk) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                # Copies, not views of the parts: a memory tracker's hooks (torch's
+                # MemTracker) can keep the measured graph alive in a reference cycle, and it
+                # must not hold the parts' storage then. A chunk's parts are slices of the
+                # parts kept anyway: no cost.
+                leaves = [chunk.take(p, split.dim, p.shape[split.dim] // split.size)
+                          .detach().clone().requires_grad_(True) for p in parts]
+                return _Joined(module, join, chunk)(*leaves), leaves
 
-        measured.append(graph_bytes(build, free=module.parameters()))
-    _set_rng_state(state, x.device)  # the measurement drew nothing, as far as forward knows
-    costs[key] = linear_cost(measured, type(module).__name__)
+            measured.append(graph_bytes(build, free=module.parameters()))
+        _set_rng_state(state, x.device)  # the measurement drew nothing, as far as forward knows
+        return linear_cost(measured, type(module).__name__)
+
+    # While planning, modules alike share one measurement (NOTE [ Chunk costs while planning ]
+    # in pareprop/chunking.py).
+    costs[key] = planned_cost(module, (
+        "checkpointed", key, plain(list(parts)), plain(join), split), measure)
     return costs[key]

@@ -6,19 +6,25 @@ NOTE [ Counting a real step's peak ]
     plus the bytes of the model, optimizer state and inputs, so tensors of other work on the
     device do not count. The CPU allocator keeps no peak, and the profiler's CPU memory events
     attribute allocations to operators rather than giving a time line we could sum; so on the
-    CPU torch's ``MemTracker`` (a ``TorchDispatchMode`` that sees every storage an operator
-    creates, and its release through a weak reference) counts the real tensors. That is the
-    same counter :func:`pareprop.plan_memory` uses under ``FakeTensorMode``; what the CPU test
-    of the two checks is that the fake trace allocates and frees what the real step does.
+    CPU :class:`StepPeakTracker` (a ``TorchDispatchMode`` that sees every storage an operator
+    creates, and its release through a weak reference; NOTE [ Counting storages ]) counts the
+    real tensors. That is the same counter :func:`pareprop.plan_memory` uses under
+    ``FakeTensorMode``; what the CPU test of the two checks is that the fake trace allocates
+    and frees what the real step does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import gc
+import weakref
+from functools import partial
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from pareprop.chunking import measuring
 from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -31,7 +37,7 @@ from pareprop.memory.step import (
     unique_bytes,
 )
 
-__all__ = ["memory_report", "apply_engine"]
+__all__ = ["memory_report", "apply_engine", "StepPeakTracker"]
 
 
 def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
@@ -55,38 +61,185 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
     set_engine(model, engine)
 
 
-# NOTE [ Only the step's peak ]
-#     After every operator, ``MemTracker._update_peak_stats`` walks every module it has seen to
-#     keep per-module peaks (operators x modules: about half of a ViT-B plan's time). We need
-#     the step's peak alone, so our subclass keeps just the global one, as the base class does
-#     at the end of that method. Should a later torch drop that method, the base class's
-#     (slower, same result) runs instead.
-def _step_tracker():
-    # torch.distributed's private tools: loaded by the first report, not at ``import pareprop``.
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+# NOTE [ Counting storages ]
+#     A step's peak on the CPU (real tensors, ``memory_report``) and in a plan (fake tensors,
+#     ``plan_memory``) is counted by :class:`StepPeakTracker`, a ``TorchDispatchMode`` that
+#     sees every operator's outputs: each storage is counted once, from the first operator
+#     that returns it, until it is freed (a weak reference's callback). What exists before
+#     the step (parameters, their gradients, buffers, optimizer state, inputs) is counted from
+#     the start. Until 2026-12-04 torch's ``MemTracker`` counted, which does the same and also
+#     keeps per-module statistics through ``ModTracker``: hooks on every module call, and
+#     gradient hooks on the inputs and outputs of each, whose closures hold the inputs'
+#     autograd nodes while the nodes hold the hooks, a cycle through C++ that no collector
+#     frees. That bookkeeping was about 40% of a plan's time (Rev-MViTv2-B in chunks of 1/32
+#     at batch 8335: 16.2 s a plan, 10.0 s with this tracker), and its hooks kept alive, for
+#     the rest of the step, the graphs built to measure a chunk's cost (NOTE [ Measuring a
+#     chunk's graph ] in pareprop/chunking.py), which are never differentiated: plans in
+#     chunks counted up to 8% more than the step holds (Rev-Swin-T at batch 9039 in chunks of
+#     1/8: 92.47e9 bytes, 85.90e9 with this tracker, and 85.90e9 with MemTracker when the
+#     measurements are not made in that plan), and on real CPU steps of Rev-Swin-T and
+#     Rev-MViTv2-B in chunks MemTracker counted 4.5-6% more than the CPU allocator's own
+#     events (``torch.profiler`` with ``profile_memory``, summed in time order; nothing
+#     hooked), this tracker within 0.3% of them, either way (kernels' scratch memory, which
+#     no operator returns; events of one microsecond, whose order is lost;
+#     tests/test_step_tracker.py). Steps without chunks count the same either way.
+#     ``UntypedStorage.resize_`` bypasses the dispatcher, so it is wrapped while the tracker
+#     runs, as ``MemTracker`` does. What is made while a chunk's cost is measured (a step
+#     of training after the first does not measure) is left out, and counted from the
+#     measurement's end if it outlives it (NOTE [ Chunk costs while planning ] in
+#     pareprop/chunking.py).
+class StepPeakTracker(TorchDispatchMode):
+    """The current and peak bytes of every storage alive during a step (NOTE [ Counting
+    storages ]). ``track_external`` what exists before the step, then run it inside
+    ``with tracker:``; ``peak`` is the most bytes alive at once."""
 
-    class _StepPeakTracker(MemTracker):
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: Dict[int, list] = {}  # id(storage) -> [weak reference, bytes counted]
+        self._aside: Dict[int, list] = {}  # made while a chunk's cost was measured
+        self._orig_resize = None
 
-    if not hasattr(MemTracker, "_update_peak_stats"):
-        return MemTracker()
-    return _StepPeakTracker()
+    def track_external(self, *objects: Any) -> None:
+        """Count what exists before the step: modules (parameters, their gradients,
+        buffers), optimizers (their state) and tensors (or sequences of them)."""
+        for obj in objects:
+            if isinstance(obj, torch.Tensor):
+                self.track(obj)
+            elif isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    self.track(p)
+                    if p.grad is not None:
+                        self.track(p.grad)
+                for b in obj.buffers():
+                    self.track(b)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for t in state_tensors(obj):
+                    self.track(t)
+            elif isinstance(obj, (tuple, list)):
+                self.track_external(*obj)
+            elif obj is not None:
+                raise TypeError(f"expected modules, optimizers or tensors to track, got "
+                                f"{type(obj).__name__}")
+        self.peak = max(self.peak, self.current)
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage unless it is counted; follow a change of its size. While a
+        chunk's cost is measured, a new storage is set aside, and counted only if it outlives
+        the measurement (NOTE [ Chunk costs while planning ] in pareprop/chunking.py)."""
+        st = t.untyped_storage()
+        key = id(st)
+        entry = self._sizes.get(key)
+        if entry is None:
+            if measuring():
+                if key not in self._aside:
+                    self._aside[key] = [weakref.ref(st, partial(self._dropped, key)), st.nbytes()]
+                return
+            size = st.nbytes()
+            self._sizes[key] = [weakref.ref(st, partial(self._freed, key)), size]
+            self.current += size
+        elif entry[1] != st.nbytes():
+            self.current += st.nbytes() - entry[1]
+            entry[1] = st.nbytes()
+
+    def _freed(self, key: int, ref: Any) -> None:
+        entry = self._sizes.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._sizes[key]
+            self.current -= entry[1]
+
+    def _dropped(self, key: int, ref: Any) -> None:
+        entry = self._aside.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._aside[key]
+
+    def _count_aside(self) -> None:
+        """Count what a measurement made and left alive, from now on."""
+        for key, (ref, _) in list(self._aside.items()):
+            st = ref()
+            del self._aside[key]
+            if st is not None and key not in self._sizes:
+                self._sizes[key] = [weakref.ref(st, partial(self._freed, key)), st.nbytes()]
+                self.current += st.nbytes()
+
+    def _outputs(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._outputs(item)
+
+    def _new_peak(self) -> None:
+        """Called when the step reaches a new peak (a hook for tools that describe it)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._aside and not measuring():
+            self._count_aside()
+        self._outputs(out)
+        if self.current > self.peak:
+            self.peak = self.current
+            self._new_peak()
+        return out
+
+    def __enter__(self) -> "StepPeakTracker":
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            entry = self._sizes.get(id(st))
+            if entry is not None and entry[1] != st.nbytes():
+                self.current += st.nbytes() - entry[1]
+                entry[1] = st.nbytes()
+                self.peak = max(self.peak, self.current)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._aside and not measuring():
+            self._count_aside()
+            self.peak = max(self.peak, self.current)
+        super().__exit__(*exc)
+
+
+# NOTE [ A count that does not depend on the collector ]
+#     A storage that the step leaves in a reference cycle is freed when Python's cyclic
+#     collector next runs, and when that is depends on everything the process allocated
+#     before: the same plan made after other plans, or alone, could count it for a different
+#     stretch of the step. BENCHMARKS.md saw plans move by up to 1.2% from run to run on
+#     2026-12-04; at the commit that turned the collector off that no longer reproduced (the
+#     same plans alone, after others, with the collector on and off, agreed to the byte,
+#     under MemTracker and this tracker alike), the cycles having gone with earlier fixes
+#     (NOTE [ Measuring a chunk's graph ] in chunking.py). So that none can come back
+#     unseen, the counted step runs with the collector off: a storage is freed when its last
+#     reference goes, and a plan is a function of its inputs. The steps planned here leave no
+#     storage to the collector (tests/test_memory.py lets it run every few allocations and
+#     finds the same plan), so nothing is counted longer than the step keeps it.
+def _step_tracker() -> StepPeakTracker:
+    return StepPeakTracker()
 
 
 def tracked_peak(model: nn.Module, inputs: Sequence[torch.Tensor], optimizer: Any,
                  dtype: Optional[torch.dtype]) -> tuple:
-    """Run the step under torch's ``MemTracker``; (counts, peak bytes)."""
+    """Run the step under :class:`StepPeakTracker`, without the cyclic garbage collector
+    (NOTE [ A count that does not depend on the collector ]); (counts, peak bytes)."""
     tracker = _step_tracker()
     tracker.track_external(model, *inputs)
     if optimizer is not None:
         tracker.track_external(optimizer)
-    with tracker:
-        counts = run_step(model, inputs, optimizer, dtype)
-    peak = sum(tracker._peak_mem.values())
-    return counts, int(peak)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with tracker:
+            counts = run_step(model, inputs, optimizer, dtype)
+    finally:
+        if collecting:
+            gc.enable()
+    return counts, int(tracker.peak)
 
 
 def memory_report(

@@ -43,7 +43,13 @@ from pareprop.engine import set_chunking
 from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
-from pareprop.memory.step import amp_dtype, amp_label, create_optimizer_state, make_optimizer
+from pareprop.memory.step import (
+    FLOOR_MAPS,
+    amp_dtype,
+    amp_label,
+    create_optimizer_state,
+    make_optimizer,
+)
 from pareprop.memory.units import parse_memory
 
 __all__ = ["plan_memory", "largest_batch", "MAX_BATCH"]
@@ -222,7 +228,7 @@ def _plan_auto_chunks(name: str, batch_size: int, engine: str, **kwargs: Any) ->
 def _stream_bytes(whole: MemoryReport) -> int:
     """One stream map of the largest stack, from a plan's floor (0: no reversible stack)."""
     fixed = whole.parameters + whole.gradients + whole.optimizer_state + whole.inputs
-    return (whole.floor - fixed) // 8 if whole.floor else 0
+    return (whole.floor - fixed) // FLOOR_MAPS if whole.floor else 0
 
 
 def _auto_sizes(stream: int) -> List[Optional[int]]:
@@ -368,13 +374,17 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 #       (``_choose_auto``). At large batches, where the chunk is a small part of the peak,
 #       that usually spares the smallest, slowest candidate.
 #
-#     So: the fraction is chosen at a probe batch (the largest whose floor fits, near the
-#     answer), the search holds it, and the choice is made again at the answer. Where that
-#     choice differs, the search runs again from there with the new fraction (each fraction at
-#     most once). The answer ``lo`` is exact in the sense of the per-batch search at ``lo``
-#     (its own choice among the chunkings, planned) and for the chosen fraction at ``lo + 1``;
-#     the other fractions are not planned at ``lo + 1``, where a choice other than ``lo``'s
-#     would need peaks within a sample's growth of the tolerance's edge.
+#     So: the fraction is guessed at a probe batch (the largest whose floor fits, above the
+#     answer), the search holds it, and the choice is made at the answer. Where that choice
+#     differs, the search runs again from there with the new fraction (each fraction at most
+#     once). The guess plans from the smallest chunk up, while each is within the tolerance of
+#     the lowest peak so far (``_guess_auto``): at 80 GiB two plans, where choosing there as
+#     at the answer took four or five (whole branches first); it need not be the choice, which
+#     is made, exactly, where it counts. The answer ``lo`` is exact in the sense of the
+#     per-batch search at ``lo`` (its own choice among the chunkings, planned) and for the
+#     chosen fraction at ``lo + 1``; the other fractions are not planned at ``lo + 1``, where
+#     a choice other than ``lo``'s would need peaks within a sample's growth of the
+#     tolerance's edge.
 def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
                         **kwargs: Any) -> Tuple[int, List[MemoryReport]]:
     base = plan_memory(name, first, engine, **kwargs)
@@ -397,7 +407,7 @@ def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
     fixed = base.parameters + base.gradients + base.optimizer_state
     per_sample = (base.floor - fixed) / first
     probe = int(min(max((memory_bytes - fixed) / per_sample, 1), MAX_BATCH))
-    i = choose(probe)
+    i = chosen[probe] = _guess_auto(len(_auto_sizes(stream)), lambda j: plan(probe, j).peak)
     found: Dict[int, int] = {}  # candidate searched -> the largest batch it fits
     while i not in found:
         known = {bs: r.peak for (bs, j), r in plans.items() if j == i}
@@ -411,6 +421,21 @@ def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
         if chosen.get(bs, j) == j:
             reports[bs] = r
     return lo, [reports[b] for b in sorted(reports)]
+
+
+def _guess_auto(count: int, peak: Callable[[int], int]) -> int:
+    """The candidate to search with, from the smallest chunk up: the next larger one is
+    planned only while each so far is within the tolerance of the lowest peak seen (NOTE
+    [ The largest batch with chunk_bytes="auto" ]). A guess: the choice is made exactly at
+    the answer, and the search runs again where it differs."""
+    best = count - 1
+    lowest = peak(best)
+    for j in range(count - 2, -1, -1):
+        p = peak(j)
+        if p > lowest * (1 + AUTO_CHUNK_TOLERANCE):
+            break
+        best, lowest = j, min(lowest, p)
+    return best
 
 
 def _choose_auto(sizes: Sequence[Optional[int]], peak: Callable[[int], int]) -> int:
@@ -451,14 +476,18 @@ def _chord_search(peak: Callable[[int], int], memory_bytes: int, known: Dict[int
         return known[b]
 
     width = None  # the bracket's width before the last step
+    stalls = 0  # steps in a row that did not halve the bracket
     for _ in range(tries):
         lo, hi = bracket()
         if (hi is not None and hi - lo <= 1) or lo >= MAX_BATCH:
             break
         p_lo = known[lo] if lo else intercept
-        # A chord that did not halve the bracket meets a peak that is not affine there (a
-        # jump between two batches): it would close in one batch a plan, so bisect once.
-        halve = hi is not None and width is not None and hi - lo > width / 2
+        # Chords that twice in a row did not halve the bracket meet a peak that is not affine
+        # there (a jump between two batches): they would close in one batch a plan, so bisect
+        # once. Once is usual: the first chord from a far bracket lands a batch or two short
+        # of the answer, and the next closes it.
+        stalls = stalls + 1 if hi is not None and width is not None and hi - lo > width / 2 else 0
+        halve = stalls >= 2
         width = None if hi is None else hi - lo
         if halve:
             guess = (lo + hi) / 2

@@ -41,9 +41,10 @@ class MemoryReport:
         method: how ``peak`` was obtained (``cuda_max_allocated``, ``tracked_real``,
             ``tracked_fake``: see docs/memory.md).
         floor: what a reversible step cannot go below: parameters, gradients, optimizer
-            state, inputs and eight stream-sized maps of the largest stack (its outputs, the
-            rebuilt inputs and the gradients of both); 0 when no stack runs a reversible
-            engine (NOTE [ The floor of a reversible step ] in memory/step.py).
+            state, inputs and six stream-sized maps of the largest stack (its two streams,
+            their gradients, and the two gradients its backward was handed); 0 when no stack
+            runs a reversible engine (NOTE [ The floor of a reversible step ] in
+            memory/step.py).
         chunk_bytes: the chunking planned (``pareprop.set_chunking(max_bytes=...)``); None for
             whole branches.
     """
@@ -94,7 +95,7 @@ class MemoryReport:
             ("peak of the step", self.peak),
         ]
         if self.floor:
-            rows.append(("floor (streams, rebuilt inputs, gradients)", self.floor))
+            rows.append(("floor (streams, their gradients, incoming ones)", self.floor))
         width = max(len(r[0]) for r in rows)
         lines = [f"{what}  ({self.device}, amp {self.amp}, {self.method})",
                  f"{'':<{width}}  {'GiB':>9}"]

@@ -146,17 +146,27 @@ def run_step(
     counts["optimizer_state"] = unique_bytes(state_tensors(optimizer))
     counts["floor"] = 0 if not streams.largest else (
         counts["parameters"] + counts["gradients"] + counts["optimizer_state"]
-        + counts["inputs"] + 8 * streams.largest)
+        + counts["inputs"] + FLOOR_MAPS * streams.largest)
     return counts
 
 
 # NOTE [ The floor of a reversible step ]
 #     What a reversible backward cannot avoid: the parameters, their gradients, the optimizer
-#     state and the inputs, plus, for the largest stack, its two output streams, the two
-#     rebuilt input streams and the gradients of both pairs: eight stream-sized maps (float32
-#     under autocast, where the streams stay float32). A report's ``floor`` is that sum (0 when
-#     no stack runs a reversible engine), so ``peak / floor`` says how far a configuration is
-#     from what no schedule of the reversible backward can go below.
+#     state and the inputs, plus, for the largest stack, six stream-sized maps (float32 under
+#     autocast, where the streams stay float32): while a block's backward runs, its two
+#     output streams (rebuilt into its inputs in place), their two gradients (updated in
+#     place) and the two gradients the stack's backward was handed, which autograd holds until
+#     it returns. The chunked schedule holds exactly that (NOTE [ Chunked backward ] in
+#     engine/chunked.py); whole branches hold the rebuilt inputs and their gradients apart
+#     too. Until 2026-12-04 the floor counted eight maps, the whole-branch schedule's, and so
+#     sat above the planned peak of steps that chunk everything (Rev-ViT-B in chunks, its
+#     head chunked too: 92.49 GiB against a peak of 80.00 at batch 18069). A report's
+#     ``floor`` is that sum (0 when no stack runs a reversible engine), so ``peak / floor``
+#     says how far a configuration is from what no schedule of the reversible backward can go
+#     below.
+FLOOR_MAPS = 6
+
+
 class _StreamBytes:
     """The bytes of one stream of the largest reversible stack that runs during a step."""
 
