@@ -300,7 +300,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
     # rebuilds one chunk's maps at a time. The pooled features are those of
     # forward_head(forward_features(x)), by the same operations. The patch embedding runs
     # checkpointed too: it then keeps the images (held by the caller anyway), not autocast's
-    # bfloat16 copy of them (0.29 MiB a 224 px image, 2.5 GiB at batch 8971).
+    # bfloat16 copy of them (0.29 MiB a 224 px image, 2.6 GiB at batch 9241).
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunking = self.stack.chunking
