@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import pareprop
-from pareprop.precision_guard import measure_rebuild_errors
+from pareprop.convert.precision_guard import measure_rebuild_errors
 
 GIB = 2**30
 

@@ -11,7 +11,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock, VisionTransformer
 
 import pareprop
-from pareprop.models.converted_vit import UnsupportedModelError
+from pareprop.convert import UnsupportedModelError
 from pareprop.testing import engine_errors, worst_error
 
 SMALL = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=16, num_heads=2, num_classes=5)
@@ -159,7 +159,7 @@ def test_timm_contract():
     [
         (lambda: _timm(block_fn=ResPostBlock), "post-norm"),
         (lambda: _timm(block_fn=ParallelScalingBlock), "in parallel"),
-        (lambda: nn.Sequential(nn.Linear(2, 2)), "expected a timm VisionTransformer"),
+        (lambda: nn.Sequential(nn.Linear(2, 2)), "does not know Sequential; it converts timm"),
         (lambda: VisionTransformerDistilled(depth=2, **SMALL), "subclasses"),
     ],
 )
@@ -245,7 +245,7 @@ def test_hooks_on_the_blocks_are_refused_naming_the_block():
 def test_a_failed_load_timm_weights_leaves_the_model_untouched(tmp_path):
     from safetensors.torch import save_file
 
-    from pareprop.models.converted_vit import load_timm_weights
+    from pareprop.convert import load_timm_weights
     from pareprop.pretrained import PretrainedError
 
     vit = _timm(depth=2)

@@ -26,12 +26,13 @@ LAYERS: List[Tuple[str, ...]] = [
     # The core: imports nothing of pareprop above it (chunking: how a block's branches split).
     ("pareprop.engine", "pareprop.chunking", "pareprop.schedule"),
     # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
-    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP), the
-    # skip scale's coefficients (coupling) and the precision guard of small skip scales.
-    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed",
-     "pareprop.coupling", "pareprop.precision_guard"),
+    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
+    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),
     ("pareprop.layers",),
     ("pareprop.models",),
+    # Pretrained models rewired as reversible ones: the coupling, the precision guard, one
+    # module per source family (each registers its named model, as pareprop.models does).
+    ("pareprop.convert",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
     # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).

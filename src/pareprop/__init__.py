@@ -3,7 +3,14 @@
 from pareprop.budget import MemoryPlan, set_engine, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
 from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
-from pareprop.coupling import CouplingSchedule, coupling_of, set_coupling
+from pareprop.convert import (
+    CouplingSchedule,
+    GuardReport,
+    PrecisionGuard,
+    convert,
+    coupling_of,
+    set_coupling,
+)
 from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
@@ -22,8 +29,6 @@ from pareprop.memory import (
     plan_memory,
 )
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
-from pareprop.models.converted_vit import convert
-from pareprop.precision_guard import GuardReport, PrecisionGuard
 from pareprop.pretrained import PretrainedError, load_pretrained
 
 __version__ = "0.1.0"

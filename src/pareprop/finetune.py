@@ -11,7 +11,7 @@ the stem by the smallest factor); the layer of every parameter comes from the mo
 A converted timm ViT (``pareprop train --convert-from NAME``): the trainer keeps only a few
 hooks (its config fields, one schedule step per optimizer step, the schedule's state in
 checkpoints); what they mean lives here. A run with ``convert_from`` builds
-``create_model("converted_vit", source=NAME, ...)`` (pareprop.models.converted_vit), so
+``create_model("converted_vit", source=NAME, ...)`` (pareprop.convert.vit), so
 checkpoints record the source, and the coupling the model was saved at, like any model.
 It starts from timm's pretrained weights of the source (:func:`load_timm_pretrained`, timm's
 download), or from ``--pretrained-file``, a local copy of them; offline without that file it
@@ -29,7 +29,7 @@ import torch.nn as nn
 from timm.models._hub import download_cached_file
 from timm.optim import create_optimizer_v2
 
-from pareprop.coupling import SCHEDULES, CouplingSchedule
+from pareprop.convert import SCHEDULES, CouplingSchedule
 from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pretrained
 
 __all__ = [

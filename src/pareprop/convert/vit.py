@@ -20,74 +20,53 @@ head reads Y2 of the last block, z_{2L+1}: timm's final norm, pooling and head s
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import timm
 import torch
 import torch.nn as nn
-from timm.layers import DropPath as TimmDropPath
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
-from pareprop.chunking import Chunk, Split, dropout, whole_shape
-from pareprop.coupling import set_coupling
-from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
-from pareprop.models._base import ReversibleModelMixin, make_head
-from pareprop.models._features import check_output_fmt
-from pareprop.models._registry import register_model
+from pareprop.chunking import Chunk, Split
+from pareprop.convert.block import (
+    CoupledBlock,
+    drop_path_samples,
+    fused_attention_dropout,
+    sliced_dropouts,
+)
+from pareprop.convert.coupling import set_coupling
+from pareprop.convert.source import (
+    UnsupportedModelError,
+    convert,
+    converts,
+    keep_source_names,
+    refuse_grad_checkpointing,
+    refuse_hooks,
+)
+from pareprop.engine import ReversibleStack
+from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
 from pareprop.models.published import PretrainedError, read_state
-from pareprop.precision_guard import PrecisionGuard
 
 __all__ = [
-    "ConvertedViT", "ConvertedBlock", "UnsupportedModelError", "check_convertible", "convert",
-    "converted_vit", "load_timm_weights",
+    "ConvertedViT", "ConvertedBlock", "check_convertible", "converted_vit", "load_timm_weights",
 ]
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot be converted exactly; the message says why."""
-
 
 # The parts of a timm Block that make its two residual branches, in timm's names (so the
 # block's parameters keep timm's names).
 _BRANCH_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 
 
-class ConvertedBlock(ReversibleBlock):
+class ConvertedBlock(CoupledBlock):
     """A timm pre-norm ``Block`` as a coupling with skip scale beta:
     F(x) = alpha x + drop_path1(ls1(attn(norm1(x)))),
     G(y) = alpha y + drop_path2(ls2(mlp(norm2(y)))).
 
-    Shares the timm block's modules (no copy). Starts at (alpha, beta) = (1, 0), where
-    Y1 = F(X2) and Y2 = G(Y1) are timm's two residual updates with the same rounding.
+    Shares the timm block's modules (no copy).
     """
 
     def __init__(self, block: Block):
-        super().__init__()
-        for name in _BRANCH_PARTS:
-            setattr(self, name, getattr(block, name))
-        device = next((p.device for p in self.parameters()), None)
-        self._alpha_value = 1.0
-        self.register_buffer("alpha", torch.tensor(1.0, device=device), persistent=False)
-        self.set_skip_scale(0.0)
-
-    def set_alpha(self, alpha: float) -> "ConvertedBlock":
-        """The coefficient of the residual skip inside F and G (1: timm's residual)."""
-        alpha = float(alpha)
-        if not -float("inf") < alpha < float("inf"):
-            raise ValueError(f"expected a finite alpha, got {alpha!r}")
-        self._alpha_value = alpha
-        with torch.no_grad():
-            self.alpha.fill_(alpha)  # in place, as the skip scale: nothing recompiles
-        return self
-
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        super()._apply(fn, recurse)
-        self.alpha = torch.full((), self._alpha_value, dtype=torch.float32,
-                                device=self.alpha.device)
-        return self
+        super().__init__(**{name: getattr(block, name) for name in _BRANCH_PARTS})
 
     def f(self, x: torch.Tensor) -> torch.Tensor:
         # alpha * x + H(x): at alpha = 1 the very sum timm computes (1.0 * x is x exactly).
@@ -97,73 +76,25 @@ class ConvertedBlock(ReversibleBlock):
         return self.alpha * x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     # Chunked branches (NOTE [ Chunked branches ] in pareprop/chunking.py; NOTE [ timm's layers
-    # in chunks ] below): F acts on each sample alone, G on each token alone.
+    # in chunks ] in pareprop/convert/block.py): F acts on each sample alone, G on each token alone.
     def f_split(self, x: torch.Tensor) -> Optional[Split]:
-        if self.attn.training and _fused_attention_dropout(self.attn):
+        if self.attn.training and fused_attention_dropout(self.attn):
             return None  # SDPA draws its mask inside the kernel: F runs whole
         return Split.samples(x.shape[0])
 
     def f_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        with _sliced_dropouts(self.attn, chunk, dim=0):
+        with sliced_dropouts(self.attn, chunk, dim=0):
             h = self.ls1(self.attn(self.norm1(x)))  # (b, N, C)
-        return self.alpha * x + _drop_path_samples(self.drop_path1, h, chunk)
+        return self.alpha * x + drop_path_samples(self.drop_path1, h, chunk)
 
     def g_split(self, x: torch.Tensor) -> Split:
         return Split.tokens(x.shape[1])
 
     def g_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        with _sliced_dropouts(self.mlp, chunk, dim=1):
+        with sliced_dropouts(self.mlp, chunk, dim=1):
             h = self.ls2(self.mlp(self.norm2(x)))  # (B, n, C)
         # timm's drop-path draws one value per sample: on a chunk of tokens, the whole draw.
         return self.alpha * x + self.drop_path2(h)
-
-
-# NOTE [ timm's layers in chunks ]
-# A converted block runs timm's own modules, which know nothing of chunks. Three things make
-# a chunk draw exactly what the whole branch drew (NOTE [ Exact randomness in chunks ] in
-# pareprop/chunking.py):
-# * every ``nn.Dropout`` inside timm's attention and MLP (attention weights and projection:
-#   batch at dim 0; the MLP's hidden maps: tokens at dim 1) runs, for the chunk only, as
-#   :func:`pareprop.chunking.dropout`, the chunk's slice of the whole tensor's mask (an
-#   instance ``forward`` shadows the class's while the chunk runs, as compile_blocks shadows
-#   F and G);
-# * timm's drop-path draws one value per sample: the same on a chunk of tokens, and the
-#   chunk's slice of the whole batch's draw on a chunk of samples (``_drop_path_samples``,
-#   timm's draw for the whole batch);
-# * fused attention (``F.scaled_dot_product_attention``) with dropout on the attention weights
-#   draws inside the kernel, which no slice reproduces: F then runs whole (G still chunks).
-#   timm's default ViTs have no attention dropout; ``attn.fused_attn = False`` lets F chunk.
-
-
-def _fused_attention_dropout(attn: nn.Module) -> bool:
-    drop = getattr(attn, "attn_drop", None)
-    return bool(getattr(attn, "fused_attn", False)) and getattr(drop, "p", 0.0) > 0.0
-
-
-@contextlib.contextmanager
-def _sliced_dropouts(module: nn.Module, chunk: Chunk, dim: int) -> Iterator[None]:
-    drops = [m for m in module.modules()
-             if isinstance(m, nn.Dropout) and m.training and m.p > 0.0]
-    for m in drops:
-        m.forward = functools.partial(dropout, p=m.p, training=True, chunk=chunk, dim=dim)
-    try:
-        yield
-    finally:
-        for m in drops:
-            del m.forward
-
-
-def _drop_path_samples(module: nn.Module, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """timm's drop-path on a chunk of samples: the chunk's slice of timm's draw for the whole
-    batch (``x.new_empty((B, 1, ...)).bernoulli_(keep)``, scaled by ``1 / keep``)."""
-    if not (isinstance(module, TimmDropPath) and module.training and module.drop_prob > 0.0):
-        return module(x)  # nn.Identity, or a drop-path that draws nothing
-    keep = 1.0 - module.drop_prob
-    shape, rows = whole_shape(x, chunk, 0)
-    mask = x.new_empty((shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-    if keep > 0.0 and module.scale_by_keep:
-        mask.div_(keep)
-    return x * chunk.take(mask, 0, rows)
 
 
 def check_convertible(model: nn.Module) -> None:
@@ -196,28 +127,10 @@ def check_convertible(model: nn.Module) -> None:
                 f"block {i} is a {kind}, not timm's pre-norm Block of two residual branches "
                 "(attention, then MLP)"
             )
-    hooked = [(name or "blocks", m) for name, m in model.blocks.named_modules()
-              if isinstance(m, (nn.Sequential, Block)) and _hooks(m)]
-    if hooked:
-        name, m = hooked[0]
-        raise UnsupportedModelError(
-            f"{'block ' + name if name != 'blocks' else 'model.blocks'} has {', '.join(_hooks(m))} "
-            "hook(s): the converted model calls the blocks' branches, never a Block's forward, "
-            "so they would not run. Remove them (handle.remove()) before converting, or "
-            "register them on the block's submodules (attn, mlp, norm1, ...), which do run"
-        )
-    if getattr(model, "grad_checkpointing", False):
-        raise UnsupportedModelError(
-            "the model has timm's gradient checkpointing on; turn it off "
-            "(set_grad_checkpointing(False)): the reversible engines replace it"
-        )
-
-
-def _hooks(module: nn.Module) -> List[str]:
-    """The kinds of module hooks registered on ``module`` itself."""
-    kinds = (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
-             ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks"))
-    return [kind for kind, attr in kinds if getattr(module, attr, None)]
+    refuse_hooks([("model.blocks", model.blocks)] + [
+        (f"block {i}", b) for i, b in enumerate(model.blocks)],
+        runs="attn, mlp, norm1, ...")
+    refuse_grad_checkpointing(model)
 
 
 # Attributes of timm's VisionTransformer that its embedding, pooling and head methods read.
@@ -231,6 +144,7 @@ _MODULES = ("patch_embed", "pos_drop", "patch_drop", "norm_pre", "norm", "attn_p
 _PARAMETERS = ("cls_token", "reg_token", "pos_embed")
 
 
+@converts(VisionTransformer)
 class ConvertedViT(ReversibleModelMixin, nn.Module):
     """A timm ``VisionTransformer`` whose blocks form one reversible stack of
     :class:`ConvertedBlock`; build it with :func:`pareprop.convert`.
@@ -248,8 +162,6 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
     def __init__(self, source: VisionTransformer, engine: str = "reversible"):
         super().__init__()
         check_convertible(source)
-        if engine not in ENGINES:
-            raise ValueError(f"expected engine in {ENGINES}, got {engine!r}")
         for name in _PLAIN_ATTRIBUTES:
             setattr(self, name, getattr(source, name))
         for name in _PARAMETERS:
@@ -273,8 +185,7 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
         # beta = 0 cannot be inverted: every block keeps its graph until the coupling moves
         # (pareprop.set_coupling and the precision guard decide after that).
         self.stack.store_blocks(range(len(self.stack.blocks)))
-        self._register_state_dict_hook(_timm_names)
-        self._register_load_state_dict_pre_hook(_our_names)
+        keep_source_names(self, [("stack.blocks.", "blocks.")])
 
     @property
     def depth(self) -> int:
@@ -353,60 +264,6 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
-
-
-# NOTE [ timm's names in the state dict ]
-# The blocks live in the reversible stack (``stack.blocks.3``) so that every engine, the memory
-# dial and FSDP find them; timm calls them ``blocks.3``. Two state-dict hooks translate, so a
-# timm checkpoint loads with load_state_dict and state_dict() loads into timm. Inside a block the
-# names are timm's already: ConvertedBlock holds timm's own modules under timm's attributes.
-
-_OURS, _TIMMS = "stack.blocks.", "blocks."
-
-
-def _timm_names(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata):
-    ours = prefix + _OURS
-    for key in list(state_dict):  # every key moves to the end, so the order is kept
-        value = state_dict.pop(key)
-        state_dict[prefix + _TIMMS + key[len(ours):] if key.startswith(ours) else key] = value
-    return state_dict
-
-
-def _our_names(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-               error_msgs):
-    timms = prefix + _TIMMS
-    for key in list(state_dict):
-        value = state_dict.pop(key)
-        state_dict[prefix + _OURS + key[len(timms):] if key.startswith(timms) else key] = value
-
-
-def convert(
-    model: nn.Module,
-    engine: str = "reversible",
-    tolerance: Optional[float] = 1e-3,
-    guard_every: int = 100,
-) -> ConvertedViT:
-    """Rewire a timm ``VisionTransformer`` into a dual-residual reversible model.
-
-    The result shares ``model``'s parameters (copy it first to keep the original apart), keeps
-    timm's parameter names in its state dict, and starts at (alpha, beta) = (1, 0): its logits
-    equal ``model``'s to the bit in float32. Move the coupling with
-    :func:`pareprop.set_coupling` or :class:`pareprop.CouplingSchedule`.
-
-    Args:
-        model: a timm ``VisionTransformer`` with pre-norm two-branch blocks (vit_*, deit_*,
-            class token or not, register tokens, layer scale, any pooling). Anything else
-            raises :class:`~pareprop.models.converted_vit.UnsupportedModelError` with the reason.
-        engine: the backward engine of the stack.
-        tolerance: the precision guard's tolerance on rebuilt inputs (see
-            :class:`pareprop.PrecisionGuard`); None attaches no guard (then only beta = 0 is
-            stored, and a small beta can give wrong gradients).
-        guard_every: the guard measures again after this many training steps.
-    """
-    converted = ConvertedViT(model, engine=engine).train(model.training)
-    if tolerance is not None:
-        PrecisionGuard(converted, tolerance=tolerance, every=guard_every)
-    return converted
 
 
 # -- a named model, so create_model, checkpoints and the trainer can build one ---------------

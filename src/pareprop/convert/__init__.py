@@ -1,0 +1,26 @@
+"""Pretrained models rewired as dual-residual reversible networks, exactly (docs/convert.md).
+
+One room for every conversion:
+
+* ``source``: :func:`convert`, the one entry point, and what every conversion checks;
+* ``block``: the coupled block (alpha in F and G, beta on the coupling) and timm's layers in
+  chunks;
+* ``coupling``: :func:`set_coupling` and :class:`CouplingSchedule`, which move (alpha, beta);
+* ``precision_guard``: stores the blocks a small skip scale cannot rebuild;
+* one module per source family: ``vit`` (timm's VisionTransformer).
+
+Importing the package registers every family with :func:`convert` and every named converted
+model (``converted_vit``, ...) with :func:`pareprop.create_model`.
+"""
+
+# Imported for their side effect: each family registers its converter and its named model.
+from pareprop.convert import vit  # noqa: F401
+from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
+from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
+from pareprop.convert.source import UnsupportedModelError, convert
+from pareprop.convert.vit import ConvertedViT, load_timm_weights
+
+__all__ = [
+    "SCHEDULES", "ConvertedViT", "CouplingSchedule", "GuardReport", "PrecisionGuard",
+    "UnsupportedModelError", "convert", "coupling_of", "load_timm_weights", "set_coupling",
+]

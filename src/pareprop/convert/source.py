@@ -1,0 +1,154 @@
+"""The one entry point, :func:`convert`: the families it knows, what every conversion checks of
+its source, and the source's names in the converted model's state dict."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+import torch.nn as nn
+
+from pareprop.convert.precision_guard import PrecisionGuard
+from pareprop.engine import ENGINES
+
+__all__ = [
+    "UnsupportedModelError", "convert", "converter_for", "converts", "keep_source_names",
+    "refuse_grad_checkpointing", "refuse_hooks",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be converted exactly; the message says why."""
+
+
+# The source classes each family converts, mapped to the converted model's class; each family
+# module registers its own (``@converts(VisionTransformer)``).
+_CONVERTERS: Dict[type, Type[nn.Module]] = {}
+
+
+def converts(*sources: type) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
+    """Class decorator: the converted model class built as ``cls(source, engine=...)`` from a
+    source of one of these classes."""
+
+    def register(cls: Type[nn.Module]) -> Type[nn.Module]:
+        for source in sources:
+            _CONVERTERS[source] = cls
+        return cls
+
+    return register
+
+
+def converter_for(model: nn.Module) -> Type[nn.Module]:
+    """The converted class for ``model``'s class or its nearest registered base (whose own
+    check then says whether the subclass is safe), or :class:`UnsupportedModelError`."""
+    for cls in type(model).__mro__:
+        if cls in _CONVERTERS:
+            return _CONVERTERS[cls]
+    known = ", ".join(sorted({f"{c.__module__.split('.')[0]} {c.__name__}" for c in _CONVERTERS}))
+    raise UnsupportedModelError(
+        f"pareprop.convert does not know {type(model).__name__}; it converts {known}"
+    )
+
+
+def convert(
+    model: nn.Module,
+    engine: str = "reversible",
+    tolerance: Optional[float] = 1e-3,
+    guard_every: int = 100,
+) -> nn.Module:
+    """Rewire a pretrained model into a dual-residual reversible model, exactly.
+
+    The result shares ``model``'s parameters (copy it first to keep the original apart), keeps
+    the source's parameter names in its state dict, and starts at (alpha, beta) = (1, 0): its
+    logits equal ``model``'s to the bit in float32. Move the coupling with
+    :func:`pareprop.set_coupling` or :class:`pareprop.CouplingSchedule` (docs/convert.md).
+
+    Args:
+        model: a model of a family pareprop converts (timm's ``VisionTransformer`` with
+            pre-norm two-branch blocks, ...). Anything else raises
+            :class:`UnsupportedModelError` with the reason.
+        engine: the backward engine of the stacks.
+        tolerance: the precision guard's tolerance on rebuilt inputs (see
+            :class:`pareprop.PrecisionGuard`); None attaches no guard (then only beta = 0 is
+            stored, and a small beta can give wrong gradients).
+        guard_every: the guard measures again after this many training steps.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {engine!r}")
+    converted = converter_for(model)(model, engine=engine).train(model.training)
+    if tolerance is not None:
+        PrecisionGuard(converted, tolerance=tolerance, every=guard_every)
+    return converted
+
+
+def _hooks(module: nn.Module) -> List[str]:
+    """The kinds of module hooks registered on ``module`` itself."""
+    kinds = (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
+             ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks"))
+    return [kind for kind, attr in kinds if getattr(module, attr, None)]
+
+
+def refuse_hooks(modules: Iterable[Tuple[str, nn.Module]], runs: str) -> None:
+    """Refuse hooks on modules whose own ``forward`` the converted model never calls.
+
+    ``modules``: (name, module) pairs; ``runs``: which submodules do run, for the message.
+    """
+    for name, module in modules:
+        kinds = _hooks(module)
+        if kinds:
+            raise UnsupportedModelError(
+                f"{name} has {', '.join(kinds)} hook(s): the converted model calls the "
+                "blocks' branches, never this module's forward, so they would not run. Remove "
+                "them (handle.remove()) before converting, or register them on the block's "
+                f"submodules ({runs}), which do run"
+            )
+
+
+def refuse_grad_checkpointing(model: nn.Module) -> None:
+    if getattr(model, "grad_checkpointing", False) or any(
+            getattr(m, "grad_checkpointing", False) for m in model.modules()):
+        raise UnsupportedModelError(
+            "the model has gradient checkpointing on; turn it off "
+            "(set_grad_checkpointing(False)): the reversible engines replace it"
+        )
+
+
+# NOTE [ The source's names in the state dict ]
+# A converted model keeps the blocks of a stage in a reversible stack (``stack.blocks.3``) so
+# that every engine, the memory dial and FSDP find them; the source calls them ``blocks.3``.
+# Two state-dict hooks translate, so the source's checkpoints load with load_state_dict and
+# state_dict() loads into the source. Inside a block the names are the source's already: a
+# converted block holds the source's own modules under the source's attributes.
+
+
+def keep_source_names(model: nn.Module, renames: Sequence[Tuple[str, str]]) -> None:
+    """Give ``model``'s state dict the source's names: each (ours, source's) pair of dotted
+    name parts is swapped wherever ``ours`` starts a name or follows a dot, on save and back on
+    load."""
+    to_source = [(re.compile(r"(^|\.)" + re.escape(ours)), theirs) for ours, theirs in renames]
+    to_ours = [(re.compile(r"(^|\.)" + re.escape(theirs)), ours) for ours, theirs in renames]
+
+    def rename(key: str, prefix: str, rules) -> str:
+        rest = key[len(prefix):]
+        for pattern, repl in rules:
+            rest, n = pattern.subn(r"\g<1>" + repl, rest, count=1)  # names: no backslashes
+            if n:
+                break
+        return prefix + rest
+
+    def save(module, state_dict, prefix, local_metadata):
+        for key in list(state_dict):  # every key moves to the end, so the order is kept
+            value = state_dict.pop(key)
+            state_dict[rename(key, prefix, to_source) if key.startswith(prefix) else key] = value
+        return state_dict
+
+    def load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+             error_msgs):
+        for key in list(state_dict):
+            value = state_dict.pop(key)
+            ours = not key.startswith(prefix) or any(
+                p.search(key[len(prefix):]) for p, _ in to_source)  # ours already
+            state_dict[key if ours else rename(key, prefix, to_ours)] = value
+
+    model._register_state_dict_hook(save)
+    model._register_load_state_dict_pre_hook(load)
