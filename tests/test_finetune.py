@@ -90,7 +90,7 @@ def test_cli_flags(tmp_path, capsys):
     assert cfg.model == "converted_vit" and cfg.model_kwargs == {"depth": 2, "source": SOURCE}
     assert (cfg.coupling_schedule, cfg.coupling_steps) == ("linear", 7)
     assert main(["--convert-from", "no_such_vit", "--out", str(tmp_path)]) == 2
-    assert "not a timm model name" in capsys.readouterr().err
+    assert "names no model pareprop converts" in capsys.readouterr().err
     # Without --convert-from the file starts the registered model (published weights, issue 23).
     assert main(["--pretrained-file", "x.safetensors", "--out", str(tmp_path)]) == 2
     assert "no weight file at 'x.safetensors'" in capsys.readouterr().err

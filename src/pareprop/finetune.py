@@ -29,11 +29,15 @@ import torch.nn as nn
 from timm.models._hub import download_cached_file
 from timm.optim import create_optimizer_v2
 
-from pareprop.convert import SCHEDULES, CouplingSchedule
+from pareprop.convert import (
+    SCHEDULES,
+    CouplingSchedule,
+    converted_model_name,
+    converted_model_names,
+)
 from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pretrained
 
 __all__ = [
-    "CONVERTED_MODEL",
     "apply_convert_options",
     "make_coupling_schedule",
     "load_initial_weights",
@@ -41,7 +45,6 @@ __all__ = [
     "create_finetune_optimizer",
 ]
 
-CONVERTED_MODEL = "converted_vit"
 DEFAULT_MODEL = "rev_vit_tiny_patch4_32"  # TrainConfig.model's default
 
 
@@ -75,18 +78,17 @@ def apply_convert_options(cfg: Any) -> None:
             "--pretrained downloads a published reversible model's weights; with --convert-from "
             "the timm weights are timm's own download, or a local copy as --pretrained-file"
         )
-    if cfg.model not in (DEFAULT_MODEL, CONVERTED_MODEL):
+    converted = converted_model_name(cfg.convert_from)
+    if cfg.model not in (DEFAULT_MODEL, converted):
         raise ValueError(
             f"--model {cfg.model} and --convert-from {cfg.convert_from} name two models: "
-            "--convert-from builds the converted timm ViT; give one"
+            f"--convert-from builds {converted}; give one"
         )
     if cfg.memory_budget is not None:
         raise ValueError(
             "--memory-budget with --convert-from is not supported: the precision guard chooses "
             "the stored blocks of a converted model while its skip scale is small (docs/convert.md)"
         )
-    if not timm.is_model(cfg.convert_from):
-        raise ValueError(f"--convert-from {cfg.convert_from!r} is not a timm model name")
     kwargs = dict(cfg.model_kwargs or {})
     # --model-arg pretrained=false asks for random initialisation by name, as --from-scratch.
     pretrained = kwargs.pop("pretrained", None)
@@ -102,14 +104,14 @@ def apply_convert_options(cfg: Any) -> None:
     kwargs["source"] = cfg.convert_from
     if cfg.pretrained_file is not None:
         kwargs["pretrained_file"] = cfg.pretrained_file
-    cfg.model, cfg.model_kwargs = CONVERTED_MODEL, kwargs
+    cfg.model, cfg.model_kwargs = converted, kwargs
 
 
 def make_coupling_schedule(cfg: Any, model: nn.Module,
                            steps_per_epoch: int) -> Optional[CouplingSchedule]:
     """The schedule the trainer steps after each optimizer step, or None for other models.
     ``coupling_steps`` unset: one epoch."""
-    if getattr(model, "model_name", None) != CONVERTED_MODEL:
+    if getattr(model, "model_name", None) not in converted_model_names():
         return None
     steps = cfg.coupling_steps if cfg.coupling_steps is not None else steps_per_epoch
     # A run from a checkpoint keeps the coupling the model was saved at (model.json): resuming

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pareprop.checkpoint import CheckpointError
+from pareprop.convert import converted_model_name
 from pareprop.data import DatasetNotFoundError
 from pareprop.trainer import (
     AMP_MODES,
@@ -212,10 +213,12 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
     if "num_classes" in ns:
         model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
-    if values.get("convert_from") and values.get("model") not in (None, "converted_vit"):
+    converted = converted_model_name(values["convert_from"]) if values.get("convert_from") \
+        else None
+    if converted and values.get("model") not in (None, converted):
         raise ValueError(
             f"--model {values['model']} and --convert-from {values['convert_from']} name two "
-            "models: --convert-from builds the converted timm ViT; give one"
+            f"models: --convert-from builds {converted}; give one"
         )
     if model_args:
         # --model-arg changes fields of the model that would otherwise be built: the file's
@@ -223,7 +226,7 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
         base = values.get("model_kwargs")
         if base is None:
             d = TrainConfig()
-            model = "converted_vit" if values.get("convert_from") else values.get("model", d.model)
+            model = converted or values.get("model", d.model)
             key = (model, values.get("dataset", d.dataset))
             base = PRESETS.get(key, {})
         if not isinstance(base, dict):

@@ -17,10 +17,16 @@ model (``converted_vit``, ...) with :func:`pareprop.create_model`.
 from pareprop.convert import vit  # noqa: F401
 from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
 from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
-from pareprop.convert.source import UnsupportedModelError, convert
+from pareprop.convert.source import (
+    UnsupportedModelError,
+    convert,
+    converted_model_name,
+    converted_model_names,
+)
 from pareprop.convert.vit import ConvertedViT, load_timm_weights
 
 __all__ = [
     "SCHEDULES", "ConvertedViT", "CouplingSchedule", "GuardReport", "PrecisionGuard",
-    "UnsupportedModelError", "convert", "coupling_of", "load_timm_weights", "set_coupling",
+    "UnsupportedModelError", "convert", "converted_model_name", "converted_model_names",
+    "coupling_of", "load_timm_weights", "set_coupling",
 ]

@@ -4,6 +4,7 @@ its source, and the source's names in the converted model's state dict."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import torch.nn as nn
@@ -12,8 +13,9 @@ from pareprop.convert.precision_guard import PrecisionGuard
 from pareprop.engine import ENGINES
 
 __all__ = [
-    "UnsupportedModelError", "convert", "converter_for", "converts", "keep_source_names",
-    "refuse_grad_checkpointing", "refuse_hooks",
+    "NamedSource", "UnsupportedModelError", "convert", "converted_model_name",
+    "converted_model_names", "converter_for", "converts", "keep_source_names",
+    "refuse_grad_checkpointing", "refuse_hooks", "register_source_names",
 ]
 
 
@@ -79,6 +81,44 @@ def convert(
     if tolerance is not None:
         PrecisionGuard(converted, tolerance=tolerance, every=guard_every)
     return converted
+
+
+# NOTE [ Sources by name ]
+# ``pareprop train --convert-from NAME`` (and create_model("converted_...", source=NAME))
+# builds the source by its library's name. Each family registers its named converted model
+# with the source names it takes (timm's by module, torchvision's by name), so one lookup
+# says which converted model a source name makes.
+
+
+@dataclass(frozen=True)
+class NamedSource:
+    model_name: str  # the registered converted model ("converted_vit", ...)
+    library: str  # the source's library, for messages ("timm", "torchvision")
+    accepts: Callable[[str], bool]  # whether a source name belongs to this family
+    examples: str  # a few source names, for messages
+
+
+_NAMED_SOURCES: List[NamedSource] = []
+
+
+def register_source_names(model_name: str, library: str, accepts: Callable[[str], bool],
+                          examples: str) -> None:
+    """Declare that the registered model ``model_name`` converts the sources ``accepts``."""
+    _NAMED_SOURCES.append(NamedSource(model_name, library, accepts, examples))
+
+
+def converted_model_names() -> Tuple[str, ...]:
+    """Every registered converted model's name."""
+    return tuple(dict.fromkeys(s.model_name for s in _NAMED_SOURCES))
+
+
+def converted_model_name(source: str) -> str:
+    """The registered converted model that builds the source named ``source``."""
+    for named in _NAMED_SOURCES:
+        if named.accepts(source):
+            return named.model_name
+    known = "; ".join(f"{s.library} {s.examples} ({s.model_name})" for s in _NAMED_SOURCES)
+    raise ValueError(f"--convert-from {source!r} names no model pareprop converts: {known}")
 
 
 def _hooks(module: nn.Module) -> List[str]:

@@ -43,6 +43,7 @@ from pareprop.convert.source import (
     keep_source_names,
     refuse_grad_checkpointing,
     refuse_hooks,
+    register_source_names,
 )
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
@@ -292,6 +293,14 @@ def converted_vit(
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model
+
+
+register_source_names(
+    "converted_vit", "timm",
+    lambda name: timm.is_model(name) and timm.models.is_model_in_modules(
+        name, ["vision_transformer", "deit"]),
+    "vit_*, deit_*, deit3_*",
+)
 
 
 def load_timm_weights(model: nn.Module, path: str) -> None:
