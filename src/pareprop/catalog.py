@@ -1,8 +1,10 @@
 """The model catalog: one road from a model's name to a model to run, measure or plan.
 
 A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_models`), timm's
-(``vit_base_patch16_224``) or one of torchvision's video MViTs (``mvit_v1_b``, ``mvit_v2_s``:
-:mod:`pareprop.models.torchvision_video`, the baselines of the video models). The catalog
+(``vit_base_patch16_224``), one of torchvision's video MViTs (``mvit_v1_b``, ``mvit_v2_s``:
+:mod:`pareprop.models.torchvision_video`, the baselines of the video models), or
+``converted:SOURCE``, a pretrained model ``SOURCE`` converted by :func:`pareprop.convert`
+(NOTE [ Converted models by name ]). The catalog
 builds it with overrides in an *engine mode*: one of
 pareprop's engines (``autograd``, ``reversible``, ``pareprop``) for a model with a
 :class:`~pareprop.engine.ReversibleStack`, or a baseline mode for any other model (``plain``:
@@ -29,6 +31,7 @@ import timm
 import torch
 import torch.nn as nn
 
+from pareprop.convert import converted_model_name, converted_model_names
 from pareprop.engine import ENGINES, ReversibleStack, set_block_checkpointing
 from pareprop.models import create_model, is_model, unknown_model_message
 from pareprop.models.torchvision_video import TORCHVISION_VIDEO_MODELS, create_torchvision_video
@@ -40,6 +43,8 @@ __all__ = [
     "REVERSIBLE_MODEL_ENGINES",
     "ModelFacts",
     "ModelRequest",
+    "CONVERTED_PREFIX",
+    "converted_source",
     "model_source",
     "model_facts",
     "engines_for",
@@ -59,12 +64,35 @@ REVERSIBLE_ENGINES = ("reversible", "pareprop")  # the engines a memory budget a
 REVERSIBLE_MODEL_ENGINES = tuple(ENGINES) + ("checkpointed",)
 
 
+# NOTE [ Converted models by name ]
+# ``converted:swin_tiny_patch4_window7_224`` names timm's (or torchvision's) model converted
+# by pareprop.convert, so one plan or benchmark compares it with its source by name
+# (``pareprop plan --models converted:X X --engines reversible checkpointed``). The catalog
+# builds ``create_model(converted_model_name(X), source=X, ...)`` at the reversible coupling
+# (0, 1) unless a ``coupling`` override says otherwise: at (1, 0) every block is stored, which
+# is plain fine-tuning's memory, not what converting buys. No precision guard is attached
+# (``tolerance=None``): a plan has no values to measure, and the coupling planned is the one
+# given. ``img_size`` and ``depth`` go to the source's constructor.
+
+CONVERTED_PREFIX = "converted:"
+
+
+def converted_source(name: str) -> Optional[str]:
+    """The source of a ``converted:SOURCE`` name, or None for other names."""
+    return name[len(CONVERTED_PREFIX):] if name.startswith(CONVERTED_PREFIX) else None
+
+
 def model_source(name: str) -> str:
-    """``"pareprop"``, ``"torchvision"`` (its video MViTs) or ``"timm"``: who knows ``name``.
+    """``"pareprop"``, ``"torchvision"`` (its video MViTs), ``"converted"``
+    (``converted:SOURCE``) or ``"timm"``: who knows ``name``.
 
     Raises:
         ValueError: none knows it; the message names pareprop's close matches.
     """
+    source = converted_source(name)
+    if source is not None:
+        converted_model_name(source)  # raises, naming the families pareprop converts
+        return "converted"
     if is_model(name):
         return "pareprop"
     if name in TORCHVISION_VIDEO_MODELS:
@@ -96,8 +124,8 @@ def model_facts(name: str) -> ModelFacts:
     if name in _FACTS:
         return _FACTS[name]
     source = model_source(name)
-    build = {"pareprop": _default_pareprop, "torchvision": create_torchvision_video}.get(
-        source, _default_timm)
+    build = {"pareprop": _default_pareprop, "torchvision": create_torchvision_video,
+             "converted": _default_converted}.get(source, _default_timm)
     try:
         with _meta_device():
             model = build(name)
@@ -129,6 +157,16 @@ def _meta_device() -> Iterator[None]:
 
 def _default_pareprop(name: str) -> nn.Module:
     return create_model(name)
+
+
+def _default_converted(name: str) -> nn.Module:
+    return _create_converted(name, {"num_classes": 2})
+
+
+def _create_converted(name: str, kwargs: Dict[str, Any]) -> nn.Module:
+    source = converted_source(name)
+    kwargs = {"coupling": (0.0, 1.0), "tolerance": None, **kwargs, "source": source}
+    return create_model(converted_model_name(source), **kwargs)
 
 
 def _default_timm(name: str) -> nn.Module:
@@ -190,17 +228,20 @@ class ModelRequest:
 def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn.Module:
     """Build ``request.model`` with its overrides, in its engine or baseline mode."""
     facts = facts if facts is not None else model_facts(request.model)
-    if facts.source == "pareprop":
+    if facts.source == "converted" or request.model in converted_model_names():
+        # img_size and depth are the source's; a registered converted model (converted_vit)
+        # takes them as the source's keywords too.
+        kwargs = _source_kwargs(request)
+        kwargs["engine"] = "autograd" if request.engine == "checkpointed" else request.engine
+        model = (_create_converted(request.model, kwargs) if facts.source == "converted"
+                 else create_model(request.model, **kwargs))
+    elif facts.source == "pareprop":
         model = create_model(request.model, **_pareprop_kwargs(request, facts))
     elif facts.source == "torchvision":
         model = create_torchvision_video(request.model, **_torchvision_kwargs(request))
     else:
-        kwargs = _with_num_classes(request)
-        for key in ("img_size", "depth"):
-            if getattr(request, key) is not None:
-                kwargs[key] = getattr(request, key)
         try:
-            model = timm.create_model(request.model, pretrained=False, **kwargs)
+            model = timm.create_model(request.model, pretrained=False, **_source_kwargs(request))
         except TypeError as err:
             if request.depth is not None and "depth" in str(err):
                 raise ValueError(
@@ -248,6 +289,15 @@ def _torchvision_kwargs(request: ModelRequest) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f"torchvision's {request.model!r} takes num_classes, num_frames and "
                          f"img_size, got {', '.join(sorted(unknown))}")
+    return kwargs
+
+
+def _source_kwargs(request: ModelRequest) -> Dict[str, Any]:
+    # timm's keywords (a timm model's, or a converted model's source's).
+    kwargs = _with_num_classes(request)
+    for key in ("img_size", "depth"):
+        if getattr(request, key) is not None:
+            kwargs[key] = getattr(request, key)
     return kwargs
 
 

@@ -14,6 +14,8 @@ Examples::
         --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes auto
     pareprop plan --models rev_mvit_base_16x4 mvit_v1_b --engines reversible plain \\
         checkpointed --amp bf16 --memory 80GiB --grad-checkpointing
+    pareprop plan --models converted:vit_base_patch16_224 vit_base_patch16_224 \\
+        --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes 1GiB
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         "largest batch that fits.",
     )
     p.add_argument("--models", nargs="+", required=True, metavar="NAME",
-                   help="pareprop registry names, timm names and torchvision's video MViTs "
-                   "mvit_v1_b, mvit_v2_s (baselines)")
+                   help="pareprop registry names, timm names, torchvision's video MViTs "
+                   "mvit_v1_b, mvit_v2_s (baselines), and converted:SOURCE (timm's or "
+                   "torchvision's SOURCE converted by pareprop.convert, at coupling (0, 1))")
     p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
                    "that apply)")
