@@ -96,6 +96,20 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch, 
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+@pytest.mark.parametrize("amp, advice", [("bf16", "--amp none (float32) instead of bf16"),
+                                          ("none", "keep --clip-grad\n")])
+def test_non_finite_stop_advises_a_wider_type_than_the_runs(tmp_path, monkeypatch, capsys,
+                                                           amp, advice):
+    # A bf16 run was told to train "with --amp none/bf16 instead of fp16".
+    real = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    argv = ["--model", MODEL, *TINY_ARGS, "--epochs", "1", "--batch-size", "256", "--amp", amp,
+            "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "loss is nan" in err and advice in err and "fp16" not in err
+
+
 def test_cli_end_to_end_with_config_file_and_eval_only(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(

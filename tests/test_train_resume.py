@@ -85,6 +85,14 @@ def test_resume_may_train_longer_and_says_so(full, tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+def test_resume_with_other_workers_says_its_draws_differ(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train("--epochs", "2", "--stop-after-epochs", "1", "--out", str(out)) == 0
+    assert main(["--resume", str(out), "--workers", "1", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "saved by a run with --workers 0, resuming with 1" in err
+
+
 def test_eval_only_scores_with_the_runs_own_split(full, capsys):
     last = _records(full)[-1]
     assert main(["--resume", str(full / "last"), "--eval-only", "--no-progress"]) == 0
@@ -162,7 +170,8 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path, monkeypatch, capsys)
     out = tmp_path / "run"
     assert _train("--epochs", "3", "--out", str(out)) == 130
     err = capsys.readouterr().err
-    assert "interrupted in epoch 2" in err and f"--resume {out}" in err
+    # --workers is not restored, and the draws of augmentation depend on it: it is said.
+    assert "interrupted in epoch 2" in err and f"--resume {out} --workers 0" in err
     assert "Traceback" not in err and not (out / ".lock").exists()
     monkeypatch.setattr(Trainer, "train_epoch", real)
     assert main(["--resume", str(out), "--no-progress"]) == 0

@@ -130,6 +130,42 @@ def test_one_pooling_layer_for_images_and_videos():
     torch.testing.assert_close(out3, out2, rtol=1e-12, atol=1e-12)
 
 
+def test_cpu_bf16_pooling_weight_gradient_matches_float64():
+    # NOTE [ CPU bf16 depthwise Conv3d ]: the video model's pooling attention (one qkv map, a
+    # 2x8x8 map as the tiny model's first stage) under CPU bf16 autocast. With the pooling
+    # convolutions fed channels-last views their weight gradients were off by 1 to 1e23.
+    torch.manual_seed(0)
+    layer = MultiScaleAttention(16, 1, qkv_bias=False, pool_kernel=(3, 3, 3), stride_q=(1, 2, 2),
+                                stride_kv=(1, 2, 2), separate_qkv=False)
+    x = torch.randn(2, 2 * 8 * 8, 16)
+
+    def pool_grads(dtype, autocast):
+        model = layer.to(dtype)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = model(x.to(dtype), (2, 8, 8))
+        out.double().square().sum().backward()
+        return {n: p.grad.double() for n, p in model.named_parameters() if n.startswith("pool")}
+
+    exact = pool_grads(torch.float64, False)
+    bf16 = pool_grads(torch.float32, True)
+    assert sorted(bf16) == ["pool_k.weight", "pool_q.weight", "pool_v.weight"]
+    for name, g in exact.items():
+        error = float((bf16[name] - g).norm() / g.norm())
+        assert error < 0.05, f"{name}: relative error {error:.3g}"  # bf16 rounding: about 1e-2
+
+
+def test_pooling_input_copies_only_cpu_bf16_maps():
+    from pareprop.layers.multiscale_attention import pooling_input
+
+    view = torch.randn(2, 4, 4, 4, 8).movedim(-1, 1)  # channels last, as pool_heads makes it
+    assert pooling_input(view) is view  # float32: no copy
+    image_map = view.bfloat16()[:, :, 0]  # a 2-D map: Conv2d's bf16 gradient is right
+    assert pooling_input(image_map) is image_map
+    copied = pooling_input(view.bfloat16())
+    assert copied.is_contiguous() and torch.equal(copied, view.bfloat16())
+
+
 def test_planner_takes_the_video_model():
     from pareprop.memory.plan import plan_memory
 

@@ -407,12 +407,37 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     load_weights(model, ckpt)
     data_config = ckpt.meta.get("data_config")
     if isinstance(data_config, dict) and isinstance(getattr(model, "pretrained_cfg", None), dict):
+        _check_data_overrides(overrides, model.pretrained_cfg, data_config, ckpt.path)
         # The transform the run validated with; timm's resolve_data_config (pareprop eval)
         # reads it from here (NOTE [ One data config ] in pareprop/data.py).
         model.pretrained_cfg.update(
             {k: tuple(v) if isinstance(v, list) else v for k, v in data_config.items()}
         )
     return model
+
+
+# Model arguments that set a field of the data config (NOTE [ One data config ] in
+# pareprop/data.py), and the field.
+_DATA_ARGS = {"img_size": "input_size", "in_chans": "input_size", "num_frames": "input_size",
+              "frame_stride": "frame_stride", "mean": "mean", "std": "std"}
+
+
+def _check_data_overrides(overrides: Dict[str, Any], own: Dict[str, Any],
+                          saved: Dict[str, Any], path: str) -> None:
+    """Refuse an override that would give the model another data config than its run's (the
+    saved one replaces the model's own, so the override would silently not count)."""
+    for arg, key in _DATA_ARGS.items():
+        if arg not in overrides or key not in saved or key not in own:
+            continue
+        mine = [float(v) for v in own[key]] if isinstance(own[key], (list, tuple)) else own[key]
+        theirs = ([float(v) for v in saved[key]] if isinstance(saved[key], (list, tuple))
+                  else saved[key])
+        if mine != theirs:
+            raise ValueError(
+                f"{arg}={overrides[arg]!r} contradicts the data config of {path!r}, whose run "
+                f"trained and validated with {key} {saved[key]!r}: drop it (the run's config "
+                f"is used), or train a run with it"
+            )
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:

@@ -14,7 +14,9 @@ NOTE [ One data config ]
     ``resolve_data_config``); one from scratch, the data set's statistics. Each builder reports
     the config its validation set uses (:attr:`Datasets.data_config`); the trainer saves it in
     every checkpoint, and :func:`pareprop.load_model` puts it back into the model's
-    ``pretrained_cfg``, where ``pareprop eval`` (and timm) read it.
+    ``pretrained_cfg``, where ``pareprop eval`` (and timm) read it. A video model's data
+    config is its own, always (clip size, frame stride, mean and std: NOTE [ One video data
+    config ] in pareprop/video.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler
 
-from pareprop.video import video_splits
+from pareprop.video import PUBLISHED_CONFIG, video_splits
 
 __all__ = [
     "Datasets",
@@ -366,14 +368,11 @@ def build_datasets(
     normalised by ``data_config`` (NOTE [ One data config ]; digits keep their own
     statistics) or, when None, by the data set's statistics; for a video model
     (``(C, T, H, W)``) a video folder with ``train`` and ``val`` splits
-    (:func:`pareprop.video.video_splits`), normalised as published."""
+    (:func:`pareprop.video.video_splits`), sampled and normalised by ``data_config`` (the
+    model's, :func:`pareprop.video.video_data_config`; NOTE [ One video data config ]), by
+    default as published."""
     if len(input_size) == 4:
-        try:
-            train, val = video_splits(name, int(input_size[1]), int(input_size[2]), augment)
-        except FileNotFoundError as e:
-            raise DatasetNotFoundError(str(e)) from None
-        return Datasets(train=train, val=val, num_classes=train.num_classes,
-                        name=os.path.basename(os.path.normpath(name)))
+        return _video_datasets(name, input_size, augment, data_config)
     if len(input_size) != 3 or input_size[1] != input_size[2]:
         raise ValueError(f"expected a square input size (C, H, W), got {tuple(input_size)}")
     in_chans, img_size = int(input_size[0]), int(input_size[1])
@@ -387,6 +386,27 @@ def build_datasets(
     raise ValueError(
         f"expected --dataset digits, cifar10, cifar100 or a path to an image folder, got {name!r}"
     )
+
+
+def _video_datasets(name: str, input_size: Sequence[int], augment: bool,
+                    data_config: Optional[DataConfig]) -> Datasets:
+    if name == "digits" or name in _CIFAR_STATS:
+        raise ValueError(
+            f"--dataset {name} holds images, and the model takes clips {tuple(input_size)}: "
+            "give a folder of videos with train/ and val/ splits, or an image model"
+        )
+    config = dict(data_config or dict(PUBLISHED_CONFIG, input_size=list(input_size)))
+    if [int(v) for v in config["input_size"]] != [int(v) for v in input_size]:
+        raise ValueError(
+            f"expected the data config's input_size to be the model's {tuple(input_size)}, "
+            f"got {tuple(config['input_size'])}"
+        )
+    try:
+        train, val = video_splits(name, config, augment)
+    except FileNotFoundError as e:
+        raise DatasetNotFoundError(str(e)) from None
+    return Datasets(train=train, val=val, num_classes=train.num_classes,
+                    name=os.path.basename(os.path.normpath(name)), data_config=config)
 
 
 def epoch_sampler(

@@ -20,8 +20,22 @@ defaults), which :class:`VideoFolder` follows:
   model's scores of the 5 views are averaged (PySlowFast sums the softmax probabilities);
 * pixels in [0, 1] normalised by mean 0.45 and std 0.225 on every channel.
 
+Training draws (the span's start, the scale, the crop, the flip) come from torch's default
+generator (NOTE [ Reproducible clips ]).
+
 PySlowFast's yaml also turns on RandAugment, mixup/cutmix and random erasing for training; those
 are training-recipe choices left to the caller here.
+
+NOTE [ Reproducible clips ]
+A training clip's random draws come from torch's default generator, as torchvision's random
+transforms do (they once came from Python's ``random``, which nothing seeded: the same command
+trained on other clips each time). The trainer seeds that generator from ``--seed`` and saves
+its state in every checkpoint (NOTE [ Exact resume ] in pareprop/trainer/state.py), so a run
+is reproducible and a resumed one draws what an uninterrupted one would. In DataLoader workers,
+torch seeds each worker's generator from one draw of the main process's (``base_seed +
+worker_id``): each worker draws its own clips, and the run stays reproducible for a given
+``--workers`` (another number of workers deals the draws out differently). A generator held by
+the data set would be copied into every worker, which would then all draw the same crops.
 
 NOTE [ Undecodable files ]
 A file that cannot be decoded (truncated downloads are common in Kinetics mirrors) is skipped
@@ -40,7 +54,6 @@ import contextlib
 import csv
 import math
 import os
-import random
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -62,6 +75,9 @@ __all__ = [
     "is_video_model",
     "video_dataset",
     "video_splits",
+    "video_data_config",
+    "folder_options",
+    "PUBLISHED_CONFIG",
     "require_av",
 ]
 
@@ -120,7 +136,7 @@ def clip_indices(
     num_frames: int,
     frame_stride: int,
     clip: Optional[Tuple[int, int]] = None,
-    rng: Optional[random.Random] = None,
+    generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Frame indices of one clip (NOTE [ Clips as published ]).
 
@@ -130,17 +146,75 @@ def clip_indices(
         num_frames: frames per clip.
         frame_stride: sampling stride at 30 fps.
         clip: ``(i, n)``: the i-th of n evenly spaced clips; ``None``: a random start.
-        rng: the random source for a random start (default: Python's global one).
+        generator: the random source for a random start (default: torch's default one, NOTE
+            [ Reproducible clips ]).
     """
     span = num_frames * frame_stride * fps / TARGET_FPS
     delta = max(num_video_frames - span, 0.0)
     if clip is None:
-        start = (rng or random).uniform(0, delta)
+        start = delta * _uniform(generator)
     else:
         i, n = clip
         start = delta * i / n
     index = torch.linspace(start, start + span - 1, num_frames)
     return index.clamp(0, num_video_frames - 1).long()
+
+
+# NOTE [ One video data config ]
+#     As for images (NOTE [ One data config ] in pareprop/data.py), a video model is trained,
+#     validated and evaluated by ``pareprop eval`` on clips made from one data config: its
+#     ``input_size`` (C, T, H, W), ``frame_stride``, ``mean`` and ``std``, read by
+#     :func:`video_data_config` from the model's ``pretrained_cfg`` (where the model's own
+#     config puts them: ``--model-arg frame_stride=1`` changes it) and turned into
+#     :class:`VideoFolder` options by :func:`folder_options`, the one place both sides call.
+#     The trainer saves it in every checkpoint, and ``pareprop.load_model`` puts it back into
+#     the model's ``pretrained_cfg``. (Training once sampled 16 x 4 clips whatever the model
+#     said, so a model trained at frame_stride 1 was evaluated on other clips than it learnt.)
+# The published recipe (NOTE [ Clips as published ]), for a data set built without a model.
+PUBLISHED_CONFIG: Dict[str, Any] = dict(input_size=[3, 16, 224, 224], frame_stride=4,
+                                        mean=[0.45] * 3, std=[0.225] * 3)
+
+
+def video_data_config(model: nn.Module) -> Dict[str, Any]:
+    """The data config of a video model (NOTE [ One video data config ]), from its
+    ``pretrained_cfg``: ``input_size`` (C, T, H, W) with square frames, ``frame_stride``
+    (4 when the model names none), and ``mean`` and ``std`` per channel, as JSON keeps them."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    name = getattr(model, "model_name", type(model).__name__)
+    size = [int(v) for v in cfg.get("input_size") or ()]
+    if len(size) != 4 or size[2] != size[3] or min(size) < 1:
+        raise ValueError(
+            f"expected a video model, whose pretrained_cfg input_size is (C, T, H, W) with "
+            f"square frames; {name} has {cfg.get('input_size')!r}"
+        )
+    stride = cfg.get("frame_stride", 4)
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"expected {name}'s frame_stride an int >= 1, got {stride!r}")
+    mean, std = [float(v) for v in cfg["mean"]], [float(v) for v in cfg["std"]]
+    if len(mean) != size[0] or len(std) != size[0]:
+        raise ValueError(
+            f"expected {name}'s mean and std with one value per channel ({size[0]}), got "
+            f"{mean} and {std}"
+        )
+    return dict(input_size=size, frame_stride=stride, mean=mean, std=std)
+
+
+def folder_options(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The :class:`VideoFolder` options of a video data config (NOTE [ One video data
+    config ]): ``num_frames``, ``frame_stride``, ``crop_size``, ``mean`` and ``std``."""
+    _, frames, side, _ = config["input_size"]
+    return dict(num_frames=int(frames), frame_stride=int(config["frame_stride"]),
+                crop_size=int(side), mean=tuple(config["mean"]), std=tuple(config["std"]))
+
+
+def _uniform(generator: Optional[torch.Generator] = None) -> float:
+    """A draw from [0, 1) (torch's default generator unless one is given)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def _randint(low: int, high: int) -> int:
+    """A draw from ``low..high``, both included, from torch's default generator."""
+    return int(torch.randint(low, high + 1, ()))
 
 
 def _scale_short_side(frames: torch.Tensor, size: int) -> torch.Tensor:
@@ -281,11 +355,11 @@ class VideoFolder(Dataset):
     def _train_clip(self, frames: torch.Tensor, fps: float) -> torch.Tensor:
         index = clip_indices(len(frames), fps, self.num_frames, self.frame_stride)
         x = self._normalise(frames[index])  # (T, C, H, W)
-        x = _scale_short_side(x, random.randint(*self.train_scale))
+        x = _scale_short_side(x, _randint(*self.train_scale))
         H, W = x.shape[-2:]
-        x = _crop(x, self.crop_size, random.randint(0, H - self.crop_size),
-                  random.randint(0, W - self.crop_size))
-        if random.random() < 0.5:
+        x = _crop(x, self.crop_size, _randint(0, H - self.crop_size),
+                  _randint(0, W - self.crop_size))
+        if _uniform() < 0.5:
             x = x.flip(-1)
         return self._finish(x)
 
@@ -365,10 +439,12 @@ def _read_csv(
 
 
 def video_splits(
-    path: str, num_frames: int = 16, crop_size: int = 224, augment: bool = True
+    path: str, config: Optional[Dict[str, Any]] = None, augment: bool = True
 ) -> Tuple[VideoFolder, VideoFolder]:
     """Training and validation sets of ``path`` for the trainer: ``path/train`` and
-    ``path/val`` (class folders, or ``.csv`` files of ``path,label`` rows). Training clips as
+    ``path/val`` (class folders, or ``.csv`` files of ``path,label`` rows), sampled and
+    normalised by the data config ``config`` (:func:`video_data_config` of the model; default:
+    the published 16 x 4 clips at 224 px, NOTE [ One video data config ]). Training clips as
     published (the scale range 256-320 follows the crop: 8/7 to 10/7 of it); validation one
     centre view per video. Undecodable files are substituted (NOTE [ Undecodable files ])."""
     def split(name: str) -> str:
@@ -380,9 +456,10 @@ def video_splits(
             f"{name}.csv (path,label rows)"
         )
 
+    options = folder_options(config or PUBLISHED_CONFIG)
+    crop_size = options["crop_size"]
     scale = (round(crop_size * 256 / 224), round(crop_size * 320 / 224))
-    common = dict(num_frames=num_frames, crop_size=crop_size, train_scale=scale,
-                  on_error="substitute")
+    common = dict(options, train_scale=scale, on_error="substitute")
     train = VideoFolder(split("train"), "train" if augment else "val", **common)
     val = VideoFolder(split("val"), "val", classes=train.classes, **common)
     return train, val
@@ -472,12 +549,9 @@ def is_video_model(model: nn.Module) -> bool:
 
 
 def video_dataset(model: nn.Module, source: str, mode: str, **kwargs: Any) -> VideoFolder:
-    """A :class:`VideoFolder` shaped for ``model``: its frames, frame stride, crop size, mean
-    and std (from its ``pretrained_cfg``)."""
-    cfg = model.pretrained_cfg
-    _, T, H, _ = cfg["input_size"]
-    options = dict(num_frames=T, frame_stride=cfg.get("frame_stride", 4), crop_size=H,
-                   mean=cfg["mean"], std=cfg["std"])
+    """A :class:`VideoFolder` shaped for ``model`` by its data config (:func:`video_data_config`:
+    frames, frame stride, crop size, mean and std), as the trainer's are."""
+    options = folder_options(video_data_config(model))
     options.update(kwargs)
     return VideoFolder(source, mode, **options)
 
@@ -499,9 +573,11 @@ def evaluate_video(
     ``num_clips`` evenly spaced clips x 1 centre crop per video, scores averaged.
 
     Returns:
-        ``{"top1", "top5", "videos", "views", "classes", "skipped", "amp", "seconds"}``.
+        ``{"top1", "top5", "videos", "views", "classes", "skipped", "amp", "seconds",
+        "data_config"}``.
     """
-    dataset = video_dataset(model, source, "eval", num_clips=num_clips)
+    config = video_data_config(model)
+    dataset = VideoFolder(source, "eval", num_clips=num_clips, **folder_options(config))
     num_classes = getattr(model, "num_classes", None)
     if num_classes is not None and num_classes != dataset.num_classes:
         raise ValueError(
@@ -521,5 +597,5 @@ def evaluate_video(
     result.update(videos=int(result["videos"]), views=f"{num_clips} clips x 1 crop",
                   classes=dataset.num_classes, skipped=len(dataset) - int(result["videos"])
                   if limit is None else None, average=average, amp=amp,
-                  seconds=time.perf_counter() - start)
+                  seconds=time.perf_counter() - start, data_config=config)
     return result

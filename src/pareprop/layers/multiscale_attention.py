@@ -16,13 +16,44 @@ import math
 from typing import Sequence, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn as nn
 
 from pareprop.layers.attention import attend
 
-__all__ = ["MultiScaleAttention", "pool_heads"]
+__all__ = ["MultiScaleAttention", "pool_heads", "pooling_input"]
 
 Size = Union[int, Sequence[int]]
+
+
+# NOTE [ CPU bf16 depthwise Conv3d ]
+#     pool_heads hands its convolution a channels-last view (``movedim`` of the heads' tokens,
+#     no copy). On the CPU, torch's bfloat16 weight gradient of a depthwise Conv3d is wrong for
+#     such an input at small maps (relative error 1 to 1e23 against float64: it reads memory it
+#     never wrote), which stops bf16 video training with an infinite gradient norm; a
+#     contiguous input gives the right gradient. So on the CPU in bfloat16 (and only there)
+#     the input is copied contiguous. Elsewhere the copy is not free: on CUDA a channels-last
+#     5-D input is what sends a depthwise convolution to cuDNN (a contiguous one goes to
+#     torch's own depthwise kernel, "5-D contiguous depthwise is not supported yet" in
+#     aten/src/ATen/native/Convolution.cpp), and float32 and float16 are right on the CPU. On
+#     the CPU the copy costs one pass over the map and, where the convolution keeps its input
+#     for backward, the copy's memory (planned: +0.7% kept activations for rev_mvit_base_16x4
+#     under autograd at 8x64x64, none under the reversible engine there). The planner traces
+#     CUDA plans on fake CPU tensors, so a bf16 plan counts the copy too (docs/memory.md).
+#     tests/test_video_model.py::test_cpu_bf16_pooling_weight_gradient_matches_float64.
+def pooling_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the pooling convolution should see it (NOTE [ CPU bf16 depthwise Conv3d ]):
+    contiguous for a 3-D map in bfloat16 on the CPU, else unchanged."""
+    if x.dim() == 5 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return x.contiguous()
+    return x
+
+
+# It branches on the device and dtype, which torch.fx's proxies lack: traced (timm's and
+# torchvision's feature extraction) it stays one call in the graph, decided when the traced
+# module runs. fx.wrap, not timm's notrace list: pool_heads is called from other modules'
+# forwards, where the tracer patches no global names of this module.
+torch.fx.wrap("pooling_input")
 
 
 def pool_heads(
@@ -36,8 +67,8 @@ def pool_heads(
         The pooled tokens ``(B, heads, N', head_dim)`` and the pooled map.
     """
     B, nh, N, hd = x.shape
-    x = x.reshape(B * nh, *hw, hd).movedim(-1, 1)  # (B * heads, hd, *map)
-    x = pool(x)
+    x = x.reshape(B * nh, *hw, hd).movedim(-1, 1)  # (B * heads, hd, *map), channels last
+    x = pool(pooling_input(x))
     # Unpacked to a fixed length (not tuple(x.shape[2:])), so that torch.fx can trace it.
     if len(hw) == 3:
         T, H, W = x.shape[-3:]

@@ -122,6 +122,20 @@ def _check_config(cfg: RevMViTVideoConfig) -> None:
         raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
     if cfg.num_classes < 0:
         raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+    # Data, not the model, but the clips of every run and evaluation are sampled by it: a
+    # bad value is refused when the model is built, not when a trained run is evaluated.
+    stride = cfg.frame_stride
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(
+            f"expected frame_stride an int >= 1 (clips take every frame_stride-th frame at "
+            f"30 fps), got {stride!r}"
+        )
+    for name in ("mean", "std"):
+        values = getattr(cfg, name)
+        if not isinstance(values, (tuple, list)) or len(values) != cfg.in_chans:
+            raise ValueError(
+                f"expected {name} with one value per channel ({cfg.in_chans}), got {values!r}"
+            )
     t = cfg.transition_blocks
     starts, ends = [0, *t], [*t, cfg.depth]
     ok = list(t) == sorted(set(t)) and all(1 <= i < cfg.depth for i in t)

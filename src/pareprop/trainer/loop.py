@@ -23,6 +23,15 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the run stopped before the optimizer step."""
 
 
+def _precision_advice(amp: str) -> str:
+    """The end of a non-finite stop's advice: a wider type than the run's ``--amp``."""
+    if amp == "fp16":
+        return ", or train with --amp bf16 (float32's range) or --amp none instead of fp16"
+    if amp == "bf16":
+        return ", or train with --amp none (float32) instead of bf16"
+    return ""
+
+
 class TrainLoop:
     """One epoch of training and one evaluation of the validation set.
 
@@ -38,7 +47,7 @@ class TrainLoop:
             raise NonFiniteLossError(
                 f"{what} is {value.item()} at epoch {self.epoch + 1}, step {self.step + 1}: "
                 f"stopped before the optimizer step; {self._kept()}. Lower --lr, raise "
-                f"--warmup-epochs, keep --clip-grad, or train with --amp none/bf16 instead of fp16"
+                f"--warmup-epochs, keep --clip-grad{_precision_advice(self.cfg.amp)}"
             )
 
     def _forward_backward(

@@ -56,7 +56,10 @@ class RunReport:
             return f"{where}; no checkpoint was written yet"
         return (
             f"{where}; the last checkpoint is {self.last_checkpoint!r}: "
-            f"continue with: pareprop train --resume {self.cfg.out}"
+            # --workers is not restored (it is the machine's), but augmentation's random draws
+            # are dealt out per worker (NOTE [ Reproducible clips ] in pareprop/video.py): the
+            # same number continues exactly.
+            f"continue with: pareprop train --resume {self.cfg.out} --workers {self.cfg.workers}"
         )
 
     def _summary(self, start: int, t0: float, metrics: Dict[str, Any]) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ NOTE [ Batch size ]
 from __future__ import annotations
 
 import math
+import random
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,6 +37,7 @@ from pareprop.finetune import (
 )
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
+from pareprop.video import is_video_model, video_data_config
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
@@ -51,6 +53,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def _seed(seed: int) -> None:
+    """Seed every generator a step may draw from, all of which a checkpoint saves (NOTE
+    [ Exact resume ]): torch's (augmentation, video clips, dropout, drop path), and Python's
+    and numpy's, for a data set of the user's that draws from them."""
+    import numpy as np  # as pareprop.checkpoint's rng_state: loaded where it is used
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _resolve_device(name: str, local_rank: int) -> torch.device:
@@ -124,7 +137,7 @@ class RunSetup:
         else:
             name, kwargs = cfg.model, dict(cfg.model_kwargs)
         kwargs["engine"] = cfg.engine
-        torch.manual_seed(cfg.seed)
+        _seed(cfg.seed)
         model = create_model(name, **kwargs)
         input_size = tuple(model.pretrained_cfg["input_size"])
         self.data = build_datasets(
@@ -159,8 +172,11 @@ class RunSetup:
     def _data_config(self, model: nn.Module, input_size: Tuple[int, ...]) -> Optional[dict]:
         """The data config the run normalises by (NOTE [ One data config ] in
         pareprop/data.py): the checkpoint's when resuming, the model's own when starting from
-        pretrained weights, else None (the data set's statistics)."""
+        pretrained weights, else None (the data set's statistics). A video model's is its
+        own, always (NOTE [ One video data config ] in pareprop/video.py)."""
         cfg = self.cfg
+        if is_video_model(model):
+            return video_data_config(model)
         if self.resume is not None:
             return self.resume.meta.get("data_config")  # None: saved before it was recorded
         if cfg.pretrained or cfg.pretrained_file or (cfg.convert_from and not cfg.from_scratch):
@@ -182,7 +198,7 @@ class RunSetup:
         # Each process draws its own augmentation and dropout; process 0 matches a
         # single-process run of the same seed.
         if self.dist.rank > 0:
-            torch.manual_seed(cfg.seed + self.dist.rank)
+            _seed(cfg.seed + self.dist.rank)
 
     def _apply_memory_budget(self, model: nn.Module):
         """Store the blocks that fit ``--memory-budget``, measured on one training batch of the

@@ -57,6 +57,12 @@ class TrainState:
             self.coupling.load_state_dict(st["coupling"])
         self.best = dict(st["best"])
         self.last_checkpoint = ck.path
+        saved_workers = json.loads(st.get("config") or "{}").get("workers", self.cfg.workers)
+        if saved_workers != self.cfg.workers:
+            self._log(
+                f"note: checkpoint saved by a run with --workers {saved_workers}, resuming with "
+                f"{self.cfg.workers}: augmentation draws will differ from an uninterrupted run"
+            )
         rngs = st["rng"]
         if len(rngs) == self.dist.world_size:
             ckpt_lib.set_rng_state(rngs[self.dist.rank])
