@@ -136,9 +136,31 @@ def _worker(rank, world, init_file, out):
             finally:
                 if registrar is not None:
                     fsdp._forward_method_registrar = registrar
+        results["graphs"] = _graphs_refusals(rank, world)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
+
+
+def _graphs_refusals(rank, world):
+    """cuda_graphs=True on a sharded model, switched on after shard and before it: the
+    messages of the refusals (None: not refused)."""
+    messages = []
+    for graphs_first in (False, True):
+        model = _model("rev_vit_tiny_patch4_32")
+        if graphs_first:
+            pareprop.set_engine(model, "reversible", cuda_graphs=True)
+        fsdp.shard(model)
+        inputs, _ = _batch("rev_vit_tiny_patch4_32")
+        try:
+            if graphs_first:
+                model(*(t[rank::world] for t in inputs))
+            else:
+                pareprop.set_engine(model, "reversible", cuda_graphs=True)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +216,11 @@ def test_stage_without_blocks_is_its_own_unit():
     assert last.stack is None
     assert last in fsdp._units(model)
     assert last not in fsdp._units(model, methods_gather=False)
+
+
+def test_cuda_graphs_on_a_sharded_model_are_refused(results):
+    # Its gathers and gradient reductions are collectives around each block, which a capture
+    # would freeze (NOTE [ CUDA graphs of a stack ]).
+    for rank in range(2):
+        for message in results[rank]["graphs"]:
+            assert message is not None and "cannot capture an FSDP2-sharded stack" in message
