@@ -104,7 +104,7 @@ _KEPT_WITH_PARENT = (nn.LayerNorm, nn.GroupNorm)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # Methods called on a unit in place of its forward (NOTE [ FSDP units called through other
 # methods ]): by the models (forward_ends, forward_chunk) and by timm-style callers.
-FORWARD_METHODS = (
+_FORWARD_METHODS = (
     "forward_ends", "forward_chunk", "forward_features", "forward_head", "forward_intermediates",
 )
 
@@ -154,13 +154,13 @@ def _forward_method_registrar() -> Optional[Callable[[nn.Module, str], None]]:
 
 
 def _forward_methods(module: nn.Module) -> List[str]:
-    return [name for name in FORWARD_METHODS if callable(getattr(module, name, None))]
+    return [name for name in _FORWARD_METHODS if callable(getattr(module, name, None))]
 
 
 def _register_forward_methods(
     unit: nn.Module, register: Callable[[nn.Module, str], None]
 ) -> None:
-    """Make each of ``unit``'s :data:`FORWARD_METHODS` gather it when called from outside its
+    """Make each of ``unit``'s :data:`_FORWARD_METHODS` gather it when called from outside its
     ``__call__`` (NOTE [ FSDP units called through other methods ])."""
     names = _forward_methods(unit)
     if not names:
@@ -271,7 +271,7 @@ class _BlockSharding:
 def _units(module: nn.Module, methods_gather: bool = True) -> List[nn.Module]:
     """Children of ``module`` (recursively through containers and modules holding a stack)
     that become their own unit, innermost first; reversible stacks are handled apart.
-    ``methods_gather`` False: modules called through :data:`FORWARD_METHODS` stay with their
+    ``methods_gather`` False: modules called through :data:`_FORWARD_METHODS` stay with their
     parent's unit (NOTE [ FSDP units called through other methods ])."""
     units: List[nn.Module] = []
     for child in module.children():
