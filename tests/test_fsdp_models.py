@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import pareprop
 from pareprop import fsdp
+from pareprop.engine import ENGINES
 
 pytestmark = [  # slow: one spawned process pair for all models (README, Development)
     pytest.mark.slow,
@@ -95,6 +96,8 @@ def _step(model, inputs, y):
 def _cases():
     for name in MODELS:
         yield name, "default"
+    for engine in ENGINES:  # the layout of issue 39 under every engine
+        yield FALLBACK, engine
     for name in CHUNKED:
         yield name, "chunked"
     yield FALLBACK, "fallback"
@@ -104,6 +107,8 @@ def _run(name, variant, rank, world):
     inputs, y = _batch(name)
     xs, ys = tuple(t[rank::world] for t in inputs), y[rank::world]
     model = _model(name)
+    if variant in ENGINES:
+        pareprop.set_engine(model, variant)
     if variant == "chunked":
         pareprop.set_engine(model, "pareprop")
         model.set_grad_checkpointing()
