@@ -42,6 +42,26 @@ NOTE [ FSDP2 and reversible blocks ]
     backward instead (more memory, same numbers; tests run both paths).
 
 
+NOTE [ FSDP units called through other methods ]
+    FSDP2 gathers a unit in the pre-forward hook of its ``__call__``, but the models call some
+    units through other methods: MViT stages chain ``stage.forward_ends(x)`` (a stage without a
+    reversible stack is one unit), checkpointed transition blocks run in chunks through
+    ``block.forward_chunk(x, chunk)``, and users call the root's ``forward_features``,
+    ``forward_head`` and ``forward_intermediates`` as in timm. Called so, a unit would compute
+    with its sharded parameters ("got mixed torch.Tensor and DTensor"). So ``shard`` registers
+    each such method of each unit with FSDP's public ``register_fsdp_forward_method``, which
+    runs the unit's pre- and post-forward around the method.
+    Those methods also run inside the unit's own ``forward`` (``forward`` is ``forward_chunk(x,
+    None)``, the root's ``forward`` is ``forward_head(forward_features(x))``), where FSDP's hooks
+    have already run. Run again there, the post-forward of the inner call would reshard the
+    unit in the middle of its forward, with the rest of it still to compute. So the method runs
+    FSDP's hooks only when called from outside the unit's ``__call__`` (a counter that the
+    unit's own forward hooks raise and lower), and is the plain method inside it.
+    ``register_fsdp_forward_method`` ships in ``torch.distributed.fsdp`` beside
+    ``fully_shard`` (2.6 on); should a torch lack it, modules called through such methods are
+    not made units at all: their parameters stay with the parent's unit, gathered with it
+    (more memory, same numbers), and only direct calls of the root's methods stay unsupported.
+
 NOTE [ FSDP prefetch on the waiting lane ]
     An explicit prefetch (``unshard(async_op=True)``) runs FSDP2's copy-in and all-gather on the
     current stream, so the all-gather buffer comes from that stream's allocator pool; the wait
@@ -82,6 +102,11 @@ __all__ = ["shard", "fsdp_available", "is_wrapper"]
 # hundred numbers.
 _KEPT_WITH_PARENT = (nn.LayerNorm, nn.GroupNorm)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# Methods called on a unit in place of its forward (NOTE [ FSDP units called through other
+# methods ]): by the models (forward_ends, forward_chunk) and by timm-style callers.
+_FORWARD_METHODS = (
+    "forward_ends", "forward_chunk", "forward_features", "forward_head", "forward_intermediates",
+)
 
 
 def fsdp_available() -> bool:
@@ -117,6 +142,57 @@ def _fully_shard():
             f"{torch.__version__}. Upgrade PyTorch, or train with DDP (no --fsdp)"
         ) from e
     return fully_shard
+
+
+def _forward_method_registrar() -> Optional[Callable[[nn.Module, str], None]]:
+    """FSDP's ``register_fsdp_forward_method``, or None where this torch lacks it."""
+    try:  # beside fully_shard since torch 2.6 (NOTE [ FSDP units called through other methods ])
+        from torch.distributed.fsdp import register_fsdp_forward_method
+    except ImportError:
+        return None
+    return register_fsdp_forward_method
+
+
+def _forward_methods(module: nn.Module) -> List[str]:
+    return [name for name in _FORWARD_METHODS if callable(getattr(module, name, None))]
+
+
+def _register_forward_methods(
+    unit: nn.Module, register: Callable[[nn.Module, str], None]
+) -> None:
+    """Make each of ``unit``'s :data:`_FORWARD_METHODS` gather it when called from outside its
+    ``__call__`` (NOTE [ FSDP units called through other methods ])."""
+    names = _forward_methods(unit)
+    if not names:
+        return
+    depth = [0]  # how deep we are inside the unit's own __call__ (recursion, recomputation)
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    unit.register_forward_pre_hook(enter)
+    unit.register_forward_hook(leave, always_call=True)
+    for name in names:
+        plain = getattr(unit, name)
+        register(unit, name)  # sets unit.<name> to the method between FSDP's hooks
+        _route(unit, name, plain, getattr(unit, name), depth)
+
+
+def _route(unit: nn.Module, name: str, plain: Callable[..., Any],
+           hooked: Callable[..., Any], depth: List[int]) -> None:
+    def method(*args: Any, **kwargs: Any) -> Any:
+        if depth[0]:  # inside the unit's forward: gathered already
+            return plain(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return hooked(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    setattr(unit, name, method)
 
 
 def _post_backward(block: nn.Module) -> bool:
@@ -192,18 +268,22 @@ class _BlockSharding:
         _post_backward(self.blocks[index])
 
 
-def _units(module: nn.Module) -> List[nn.Module]:
+def _units(module: nn.Module, methods_gather: bool = True) -> List[nn.Module]:
     """Children of ``module`` (recursively through containers and modules holding a stack)
-    that become their own unit, innermost first; reversible stacks are handled apart."""
+    that become their own unit, innermost first; reversible stacks are handled apart.
+    ``methods_gather`` False: modules called through :data:`_FORWARD_METHODS` stay with their
+    parent's unit (NOTE [ FSDP units called through other methods ])."""
     units: List[nn.Module] = []
     for child in module.children():
         if isinstance(child, ReversibleStack):
             continue
         holds_stack = any(isinstance(m, ReversibleStack) for m in child.modules())
         if holds_stack or isinstance(child, _CONTAINERS):
-            units += _units(child)
-        elif not isinstance(child, _KEPT_WITH_PARENT) and any(
-            True for _ in child.parameters()
+            units += _units(child, methods_gather)
+        elif (
+            not isinstance(child, _KEPT_WITH_PARENT)
+            and any(True for _ in child.parameters())
+            and (methods_gather or not _forward_methods(child))
         ):
             units.append(child)
     return units
@@ -253,7 +333,11 @@ def shard(
                 raise TypeError(f"expected ReversibleBlock units, got {type(block).__name__}")
             fully_shard(block, **kwargs)
         stack.sharding = _BlockSharding(blocks, bool(reshard_after_forward))
-    for unit in _units(model):
+    register = _forward_method_registrar()
+    units = [*_units(model, methods_gather=register is not None), model]
+    for unit in units:
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    if register is not None:
+        for unit in units:
+            _register_forward_methods(unit, register)
     return model
