@@ -14,6 +14,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pareprop.checkpoint import CheckpointError
+from pareprop.cli.options import Parser
 from pareprop.data import DatasetNotFoundError
 from pareprop.trainer import (
     AMP_MODES,
@@ -30,10 +31,11 @@ __all__ = ["main", "build_parser", "resolve_config"]
 def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: a flag that is not given leaves no attribute, so it cannot override the
     # config file with a default.
-    p = argparse.ArgumentParser(
+    # NOTE: argparse %-formats help strings, not the description: "95%" here, "%%" in a help.
+    p = Parser(
         prog="pareprop train",
         description="Train a reversible model. Defaults train rev_vit_tiny_patch4_32 on the "
-        "built-in digits (offline) to >= 95%% validation accuracy in a few CPU minutes.",
+        "built-in digits (offline) to >= 95% validation accuracy in a few CPU minutes.",
         argument_default=argparse.SUPPRESS,
     )
     d = TrainConfig()
