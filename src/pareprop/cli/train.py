@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument("--log-interval", type=int, help="optimizer steps between reads of the "
+                   f"running loss from the device (default {d.log_interval})")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="write loss, accuracy, learning rate, samples/s and peak memory for "
+                   "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
     p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
                    "deit_*, ...) converted to a reversible coupling (pareprop.convert), from "
                    "timm's pretrained weights; offline, give them as --pretrained-file")
