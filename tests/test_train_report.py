@@ -147,3 +147,26 @@ def test_tensorboard_without_the_package_is_one_line(tmp_path, monkeypatch, caps
     assert rc == 2 and len(lines) == 1, lines
     assert "--tensorboard needs the tensorboard package" in lines[0]
     assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+def test_a_non_finite_loss_is_named_at_its_step_though_read_later(tmp_path, monkeypatch, capsys):
+    # Read at the end of the epoch (log interval 50): the message still names step 8, where
+    # the loss went NaN, and the epoch-1 checkpoint stays the last one.
+    real, calls = F.cross_entropy, []
+
+    def poisoned(logits, target, **kw):
+        loss = real(logits, target, **kw)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) >= 8:  # 6 steps an epoch: step 2 of epoch 2 and on
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", poisoned)
+    argv = ["--model", MODEL, *[f"--model-arg={k}={v}" for k, v in TINY.items()],
+            "--batch-size", "256", "--epochs", "3", "--log-interval", "50", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "loss is nan at epoch 2, step 8: stopped before the weights were saved" in err
+    assert "last good checkpoint" in err and "epoch0001-step00000006" in err

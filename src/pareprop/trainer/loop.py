@@ -20,7 +20,7 @@ from pareprop.trainer.report import peak_mem_mb
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the run stopped before the optimizer step."""
+    """The loss (or gradient norm) became NaN or infinite; the run stopped before saving."""
 
 
 # NOTE [ Reading the device once per log interval ]
@@ -28,18 +28,18 @@ class NonFiniteLossError(RuntimeError):
 #     correct count, the finiteness check) drains the queue of launched work that CUDA graphs
 #     and PaReprop's overlapped backward depend on, every micro-batch. So the running numbers
 #     stay on the device: the sums of loss x n and of correct answers (float64, added in the
-#     same order as the old host sums, so every metric is bit-identical), each step's loss,
-#     and the first non-finite loss or gradient norm with its step (``_Fault``). The host
-#     reads them all in one transfer every ``--log-interval`` optimizer steps and at the end of
-#     the epoch. A non-finite value is found there, up to one interval late: the run stops
-#     with the step it happened at, its weights unsaved (a checkpoint is written only after
-#     the epoch's read), and the last good checkpoint is kept.
+#     order a read per micro-batch would add them: every metric is the same, bit for bit),
+#     each step's loss, and the first non-finite loss or gradient norm with its step
+#     (``_Fault``). The host reads them all in one transfer every ``--log-interval`` optimizer
+#     steps and at the end of the epoch. A non-finite value is found there, up to one interval
+#     late: the run stops naming the step it happened at, its weights unsaved (a checkpoint is
+#     written only after the epoch's read), and the last good checkpoint is kept.
 
 
 class _Fault:
     """The first non-finite value of an epoch, kept on the device: (what, value, step)."""
 
-    WHAT = {1.0: "loss", 2.0: "the gradient norm"}
+    WHAT = ("loss", "the gradient norm")  # recorded as 1, 2 (0: none)
 
     def __init__(self, device: torch.device):
         self.found = torch.zeros((), dtype=torch.bool, device=device)
@@ -48,7 +48,7 @@ class _Fault:
     def note(self, value: torch.Tensor, what: str, step: int) -> None:
         value = value.detach().to(torch.float64).reshape(())
         first = ~torch.isfinite(value) & ~self.found  # no host read: masks, not branches
-        code = next(k for k, v in self.WHAT.items() if v == what)
+        code = float(self.WHAT.index(what) + 1)
         fresh = torch.stack([value.new_full((), code), value, value.new_full((), float(step))])
         self.record = torch.where(first, fresh, self.record)
         self.found = self.found | first
@@ -122,7 +122,8 @@ class TrainLoop:
             if code == 0:  # found by another process
                 self._raise_non_finite(f"another process found a non-finite loss or gradient "
                                        f"norm in epoch {self.epoch + 1}, by step {self.step}")
-            self._raise_non_finite(f"{_Fault.WHAT[code]} is {value} at epoch {self.epoch + 1}, "
+            what = _Fault.WHAT[int(code) - 1]
+            self._raise_non_finite(f"{what} is {value} at epoch {self.epoch + 1}, "
                                    f"step {int(step) + 1}")
         return values[:n]
 
