@@ -170,3 +170,24 @@ def test_a_non_finite_loss_is_named_at_its_step_though_read_later(tmp_path, monk
     err = capsys.readouterr().err
     assert "loss is nan at epoch 2, step 8: stopped before the weights were saved" in err
     assert "last good checkpoint" in err and "epoch0001-step00000006" in err
+
+
+def test_a_resumed_run_drops_the_scalars_of_the_lost_part(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = tmp_path / "run"
+    argv = ["--model", MODEL, *[f"--model-arg={k}={v}" for k, v in TINY.items()],
+            "--batch-size", "256", "--epochs", "2", "--log-interval", "2", "--tensorboard",
+            "--no-progress", "--out", str(out)]
+    assert main([*argv, "--stop-after-epochs", "1"]) == 0
+    saved = _scalars(out)["epoch/val_acc"]
+    # a run killed in epoch 2 left scalars past its checkpoint (step 6)
+    with SummaryWriter(str(out / "tensorboard")) as lost:
+        for step in (8, 10):
+            lost.add_scalar("train/loss", 99.0, step)
+    assert main(["--resume", str(out), "--no-progress"]) == 0
+    scalars = _scalars(out)
+    assert 99.0 not in [v for _, v in scalars["train/loss"]]
+    assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert scalars["epoch/val_acc"][0] == saved[0] and len(scalars["epoch/val_acc"]) == 2

@@ -60,8 +60,9 @@ class RunReport:
             from torch.utils.tensorboard import SummaryWriter  # optional: pareprop[tensorboard]
         except ImportError:
             raise ValueError(MISSING_TENSORBOARD) from None
+        # Resumed: what the files hold past the checkpoint's step was lost with the run.
         self._scalars = SummaryWriter(os.path.join(self.cfg.out, "tensorboard"),
-                                      purge_step=self.step if self.step else None)
+                                      purge_step=self.step + 1 if self.step else None)
 
     def _write_scalars(self, group: str, values: Dict[str, float]) -> None:
         if self._scalars is not None:
