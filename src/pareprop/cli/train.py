@@ -31,7 +31,7 @@ __all__ = ["main", "build_parser", "resolve_config"]
 def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: a flag that is not given leaves no attribute, so it cannot override the
     # config file with a default.
-    # NOTE: argparse %-formats help strings, not the description: "95%" here, "%%" in a help.
+    # argparse %-formats the options' help, not the description: "95%" here, "95%%" in a help.
     p = Parser(
         prog="pareprop train",
         description="Train a reversible model. Defaults train rev_vit_tiny_patch4_32 on the "
