@@ -743,3 +743,12 @@ def test_a_reused_out_keeps_no_stale_plots(tmp_path, capsys):
     rc, _, _ = _run(_TINY_SWEEP + ["--batch-sizes", "1", "--out", str(tmp_path)], capsys)
     assert rc == 0
     assert not stale.exists() and mine.exists()
+
+
+@pytest.mark.parametrize("name", ["mps", "banana", "cuda:x"])
+def test_a_device_pareprop_does_not_run_on_is_refused_by_the_config(name):
+    # issue 39.6: torch parses "mps" and fails only on the first tensor moved there
+    config = bench.default_config()
+    config.device = name
+    with pytest.raises(ValueError, match=f"expected device cpu, cuda or cuda:N, got '{name}'"):
+        config.validate()

@@ -63,6 +63,8 @@ def bad_files(tmp_path_factory):
 
     torch.save({"x": Runs()}, root / "code.pth")
     torch.save({"stack.blocks.0.f.weight": torch.zeros(3)}, root / "other.pth")
+    (root / "a_file").write_text("not a folder")
+    (root / "mps.json").write_text('{"device": "mps"}')
     torch.save({"model": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, root / "timm.pth")
     # a model and a folder that evaluate: eval's own checks are what must refuse
     from PIL import Image
@@ -102,6 +104,17 @@ def _cases(root):
         "chunk-bytes with autograd": ["train", "--chunk-bytes", "1MiB", "--engine", "autograd",
                                       *out],
         "timm layout: a hint": ["train", "--pretrained-file", str(root / "timm.pth"), *out],
+        # issue 39.6
+        "train device mps": ["train", "--device", "mps", *out],
+        "train config device mps": ["train", "--config", str(root / "mps.json"), *out],
+        "train seed 1e20": ["train", "--seed", "99999999999999999999", *out],
+        "bench device banana": ["bench", "--device", "banana", "--out", str(root / "bench")],
+        "plan out is a file": ["plan", *plan[:-1], str(root / "a_file"), "--batch-sizes", "2"],
+        "plan out under a file": ["plan", *plan[:-1], str(root / "a_file" / "plan"),
+                                  "--batch-sizes", "2"],
+        "plan amp fp8": ["plan", *plan, "--batch-sizes", "2", "--amp", "fp8"],
+        "eval checkpoint missing": [*ev[:ev.index("--checkpoint") + 1], str(root / "nope.pth"),
+                                    *ev[ev.index("--checkpoint") + 2:]],
     }
     for name in ("missing.pth", "dir", "empty.pth", "code.pth", "other.pth", "timm.pth"):
         for kind, pre in (("registered", []), ("converted", conv)):
@@ -143,7 +156,40 @@ _NAMED = {
     "pretrained with pretrained-file": ("--pretrained ", "--pretrained-file "),
     "coupling-steps without convert-from": ("--coupling-steps 5", "--convert-from"),
     "chunk-bytes with autograd": ("--chunk-bytes 1MiB", "--engine autograd"),
+    "train device mps": ("--device", "'mps'", "cpu, cuda or cuda:N"),
+    "train config device mps": ("--device", "'mps'"),
+    "train seed 1e20": ("--seed", "99999999999999999999", "4294967295"),
+    "bench device banana": ("--device", "'banana'", "cpu, cuda or cuda:N"),
+    "plan out is a file": ("--out", "a_file", "is a file"),
+    "plan out under a file": ("--out", "is under the file"),
+    "plan amp fp8": ("--amp", "fp8"),
+    "eval checkpoint missing": ("--checkpoint", "nope.pth", "does not exist"),
 }
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "bench", "plan", "demo"])
+def test_help_shows_what_it_means(command, capsys):
+    # argparse %-formats an option's help, not the description: a "%%" there is printed as is
+    try:
+        rc = main([command, "--help"])
+    except SystemExit as e:  # demo lets argparse exit
+        rc = e.code
+    out = capsys.readouterr().out
+    assert rc == 0 and "%%" not in out and "%(" not in out
+    if command == "train":
+        assert ">= 95% validation accuracy" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("clip", [["--num-frames", "3"], ["--img-size", "30"]])
+def test_plan_of_mvit_v1_b_at_a_clip_size_off_its_strides(clip, tmp_path, capsys):
+    # 3 frames through the patch embedding (kernel 3, stride 2, padding 1) are 2 time steps,
+    # not 3 // 2; 30 px (kernel 7, stride 4, padding 3) are 8 rows, not 30 // 4
+    size = {"--num-frames": "4", "--img-size": "32", **dict([clip])}
+    rc = main(["plan", "--models", "mvit_v1_b", *[x for kv in size.items() for x in kv],
+               "--engines", "plain", "--batch-sizes", "1", "--device", "cpu",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0 and "mvit_v1_b" in captured.out, captured.err
 
 
 def test_eval_of_the_case_files_works(bad_files, capsys):

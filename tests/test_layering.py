@@ -23,8 +23,9 @@ PACKAGE = SRC / "pareprop"
 
 # Lowest first. A name stands for a module or a package (with every module inside it).
 LAYERS: List[Tuple[str, ...]] = [
-    # The core: imports nothing of pareprop above it (chunking: how a block's branches split).
-    ("pareprop.engine", "pareprop.chunking", "pareprop.schedule"),
+    # The core: imports nothing of pareprop above it (chunking: how a block's branches split;
+    # devices: the device names a run takes).
+    ("pareprop.engine", "pareprop.chunking", "pareprop.schedule", "pareprop.devices"),
     # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
     # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
     ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),

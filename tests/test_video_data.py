@@ -6,6 +6,7 @@ them, multi-view top-k. The tests write their own tiny videos with PyAV; nothing
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -197,6 +198,21 @@ def test_undecodable_files_are_skipped_with_a_warning_naming_them(folder, tmp_pa
     assert len(caught) == 2
     assert sorted(p.rsplit("/", 1)[1] for p in bad) == ["broken.mp4", "noise.avi"]
     assert len(ds) == 1
+
+
+def test_the_undecodable_warning_points_at_the_video_not_the_data_loader(tmp_path):
+    # issue 39.6: the warning's location was torch's fetch.py, the DataLoader's line
+    (tmp_path / "a").mkdir()
+    broken = tmp_path / "a" / "broken.mp4"
+    broken.write_bytes(b"not a video at all")
+    loader = DataLoader(VideoFolder(str(tmp_path), "eval", **SMALL), collate_fn=collate_videos)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert list(loader) == [None]
+    (w,) = [w for w in caught if w.category is UndecodableVideoWarning]
+    shown = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+    assert w.filename == str(broken) and "fetch.py" not in shown, shown
+    assert len(shown.strip().splitlines()) == 1  # no source line quoted under it
 
 
 class _Brightness(nn.Module):

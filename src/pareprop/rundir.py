@@ -2,9 +2,10 @@
 
 NOTE [ Run directories ]
     A run directory (``--out``) holds one run: ``checkpoints/``, the ``last`` and ``best``
-    links, ``metrics.jsonl`` and ``config.json``. Saving a checkpoint deletes the checkpoints
-    no link points at, so a second run writing into the same directory would delete the first
-    run's best checkpoint and mix both runs' metrics. Hence:
+    links, ``metrics.jsonl``, ``config.json`` and with ``--tensorboard`` ``tensorboard/``.
+    Saving a checkpoint deletes the checkpoints no link points at, so a second run writing
+    into the same directory would delete the first run's best checkpoint and mix both runs'
+    metrics. Hence:
 
     * a new run refuses a directory that holds anything, unless given ``--overwrite``, which
       deletes the previous run's files (only those: other files are left alone);
@@ -63,7 +64,7 @@ _INVOCATION_FIELDS = (
     "workers", "device", "fsdp",
 )
 # What a run writes into its directory (and all that --overwrite deletes).
-RUN_ENTRIES = ("checkpoints", "last", "best", "metrics.jsonl", "config.json")
+RUN_ENTRIES = ("checkpoints", "last", "best", "metrics.jsonl", "config.json", "tensorboard")
 LOCK = ".lock"
 
 

@@ -320,8 +320,13 @@ class VideoFolder(Dataset):
     def _skip(self, path: str, err: Exception) -> None:
         if path not in self.skipped:
             self.skipped.append(path)
-        warnings.warn(f"skipping {path}: cannot decode it ({err})", UndecodableVideoWarning,
-                      stacklevel=3)
+        # Located at the video itself: any stack level names a DataLoader line (fetch.py, or a
+        # worker's loop), which says nothing of what is wrong. The registry shows each message
+        # once per process under the default filter, as warnings.warn would.
+        warnings.warn_explicit(
+            f"skipping {path}: cannot decode it ({err})", UndecodableVideoWarning, path, 0,
+            module=__name__, registry=globals().setdefault("__warningregistry__", {}),
+        )
 
     def __getitem__(self, index: int) -> Optional[Tuple[torch.Tensor, int]]:
         if not -len(self.samples) <= index < len(self.samples):

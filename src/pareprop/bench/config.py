@@ -11,6 +11,7 @@ import torch
 from pareprop.bench.fields import ALL_ENGINES, AMP_MODES
 from pareprop.catalog import model_facts, model_source
 from pareprop.chunking import parse_chunking
+from pareprop.devices import device_here
 from pareprop.engine import ENGINES
 
 __all__ = ["BenchConfig", "default_config"]
@@ -166,11 +167,7 @@ class BenchConfig:
                     "--compile needs at least one warm-up step (compilation happens there), "
                     f"got warmup={self.warmup}"
                 )
-        device = torch.device(self.resolved_device())
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"expected an available device, got {device} but CUDA is not available"
-            )
+        device_here(self.resolved_device(), flag="device")  # a name torch accepts, and here
 
     def resolved_device(self) -> str:
         if self.device is not None:

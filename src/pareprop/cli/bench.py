@@ -27,45 +27,19 @@ import torch
 
 from pareprop import bench, catalog
 from pareprop.bench import ALL_ENGINES, AMP_MODES, default_config, stop
+from pareprop.cli.options import (
+    Parser,
+    device,
+    fraction,
+    non_negative_int,
+    output_folder,
+    positive_int,
+)
 from pareprop.drift import drift_report
 from pareprop.engine import ENGINES
 from pareprop.plots import plot_drift
 
 __all__ = ["main", "build_parser"]
-
-
-def _int_at_least(minimum: int):
-    """An argparse type: an integer no smaller than ``minimum``, with a message that says so."""
-    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a memory budget as a fraction from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(
-            f"expected a memory budget from 0 (every block recomputed) to 1 (every block "
-            f"stored), got {text!r}"
-        )
-    return value
 
 
 def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
@@ -76,7 +50,7 @@ def _split(values: Optional[Sequence[str]]) -> Optional[List[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pareprop bench",
         description="Measure training-step time and memory of every engine (autograd, "
         "reversible, pareprop), of the same reversible model checkpointed (checkpointed) and "
@@ -91,25 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(ALL_ENGINES)}; each model runs those that apply "
                    "(plain: models without a reversible stack; checkpointed: their blocks "
                    "under torch.utils.checkpoint, or a reversible model's under autograd)")
-    p.add_argument("--memory-budgets", nargs="+", type=_fraction, metavar="F",
+    p.add_argument("--memory-budgets", nargs="+", type=fraction, metavar="F",
                    help="memory budgets from 0 (every block recomputed) to 1 (every block "
                    "stored) for the reversible engines, each chosen on the benchmarked batch")
-    p.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="N")
-    p.add_argument("--depths", nargs="+", type=_positive_int, metavar="N",
+    p.add_argument("--batch-sizes", nargs="+", type=positive_int, metavar="N")
+    p.add_argument("--depths", nargs="+", type=positive_int, metavar="N",
                    help="total number of blocks (staged models change their deepest stage)")
-    p.add_argument("--img-size", type=_positive_int, metavar="PX", help="input side for images")
-    p.add_argument("--num-frames", type=_positive_int, metavar="T",
+    p.add_argument("--img-size", type=positive_int, metavar="PX", help="input side for images")
+    p.add_argument("--num-frames", type=positive_int, metavar="T",
                    help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
-    p.add_argument("--seq-len", nargs="+", type=_positive_int, metavar="T",
+    p.add_argument("--seq-len", nargs="+", type=positive_int, metavar="T",
                    help="sequence lengths for text models")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", type=device,
+                   help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--amp", choices=AMP_MODES, help="autocast dtype (default: none)")
-    p.add_argument("--warmup", type=_non_negative_int, help="untimed steps (default 1)")
-    p.add_argument("--iters", type=_positive_int, help="timed steps (default 3)")
-    p.add_argument("--num-classes", type=_positive_int, help="classifier width (default 10)")
-    p.add_argument("--out", default="bench_results", metavar="DIR",
+    p.add_argument("--warmup", type=non_negative_int, help="untimed steps (default 1)")
+    p.add_argument("--iters", type=positive_int, help="timed steps (default 3)")
+    p.add_argument("--num-classes", type=positive_int, help="classifier width (default 10)")
+    p.add_argument("--out", default="bench_results", metavar="DIR", type=output_folder,
                    help="where results.json, results.csv and the plots go (default: %(default)s)")
-    p.add_argument("--threads", type=_positive_int, metavar="N",
+    p.add_argument("--threads", type=positive_int, metavar="N",
                    help="CPU threads per measurement (default: torch's; the default sweep: 1)")
     p.add_argument("--time-budget", type=float, metavar="S",
                    help="start no configuration after S seconds (the rest: status skipped)")

@@ -22,6 +22,7 @@ import torch
 
 import pareprop
 from pareprop.checkpoint import META, CheckpointError
+from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
@@ -31,7 +32,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pareprop eval",
         description="Top-1/top-5 accuracy on an ImageFolder with the model's own evaluation "
         "transform (timm's resolve_data_config and create_transform).",
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--pretrained", action="store_true",
                      help="the publisher's weights (downloaded through timm; offline, use "
                      "--checkpoint with a local copy)")
-    src.add_argument("--checkpoint", metavar="PATH",
+    src.add_argument("--checkpoint", metavar="PATH", type=existing_path,
                      help="a PySlowFast or mmpretrain weight file, a .safetensors file, or a "
                      "pareprop checkpoint directory")
     p.add_argument("--data-dir", required=True, metavar="DIR",
@@ -57,31 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images (or videos, of 5 clips each) per forward; default 64 images "
                    "or 4 videos")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=device,
+                   help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
     p.add_argument("--json", metavar="PATH", help="also write the result here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
-
-
-def _device(name: Optional[str]) -> Optional[torch.device]:
-    """``--device`` as a device this machine has (None: the default)."""
-    if name is None:
-        return None
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"expected --device cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-    elif device.type != "cpu":
-        raise ValueError(f"expected --device cpu, cuda or cuda:N, got {name!r}")
-    return device
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -128,7 +110,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(e.code or 0)
     try:
         # Checked before the model is built and the folder read: nothing is lost to a typo.
-        device = _device(args.device)
         _check_options(args)
         model = build_model(args)
         result = evaluate(
@@ -138,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             workers=args.workers,
             engine=args.engine,
             amp=args.amp,
-            device=device,
+            device=None if args.device is None else torch.device(args.device),
             progress=not args.no_progress,
             limit=args.limit,
         )

@@ -27,7 +27,8 @@ import sys
 from typing import Optional, Sequence
 
 from pareprop.catalog import ALL_ENGINES
-from pareprop.cli.bench import _fraction, _positive_int, _split
+from pareprop.cli.bench import _split
+from pareprop.cli.options import Parser, fraction, output_folder, positive_int
 from pareprop.memory import parse_memory
 from pareprop.memory.sweep import format_plan, plan_sweep
 from pareprop.plots import plot_plan
@@ -36,7 +37,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pareprop plan",
         description="Predict the peak memory of one training step (forward, loss, backward, "
         "AdamW) per model, engine and batch without allocating it, and with --memory the "
@@ -49,15 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
                    "that apply)")
-    p.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=[], metavar="N")
+    p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[], metavar="N")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
-    p.add_argument("--img-size", type=_positive_int, metavar="PX")
-    p.add_argument("--num-frames", type=_positive_int, metavar="T",
+    p.add_argument("--img-size", type=positive_int, metavar="PX")
+    p.add_argument("--num-frames", type=positive_int, metavar="T",
                    help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
-    p.add_argument("--depth", type=_positive_int, metavar="N", help="total number of blocks")
+    p.add_argument("--depth", type=positive_int, metavar="N", help="total number of blocks")
     p.add_argument("--memory", metavar="SIZE",
                    help="memory to fit in: 80GiB, 80GB or 8e10 (bytes); adds the largest batch")
-    p.add_argument("--memory-budgets", nargs="+", type=_fraction, default=[None],
+    p.add_argument("--memory-budgets", nargs="+", type=fraction, default=[None],
                    metavar="F", help="memory budgets from 0 (every block recomputed) to 1 "
                    "(every block stored) for the reversible engines: what each one gives")
     p.add_argument("--grad-checkpointing", action="store_true",
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "held through its search (default: whole branches)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
-    p.add_argument("--out", default="plan_results", metavar="DIR",
+    p.add_argument("--out", default="plan_results", metavar="DIR", type=output_folder,
                    help="where plan.json and plan.png go (default: %(default)s)")
     return p
 

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pareprop.checkpoint import CheckpointError
+from pareprop.cli.options import Parser
 from pareprop.convert import converted_model_name
 from pareprop.data import DatasetNotFoundError
 from pareprop.trainer import (
@@ -31,10 +32,11 @@ __all__ = ["main", "build_parser", "resolve_config"]
 def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: a flag that is not given leaves no attribute, so it cannot override the
     # config file with a default.
-    p = argparse.ArgumentParser(
+    # argparse %-formats the options' help, not the description: "95%" here, "95%%" in a help.
+    p = Parser(
         prog="pareprop train",
         description="Train a reversible model. Defaults train rev_vit_tiny_patch4_32 on the "
-        "built-in digits (offline) to >= 95%% validation accuracy in a few CPU minutes.",
+        "built-in digits (offline) to >= 95% validation accuracy in a few CPU minutes.",
         argument_default=argparse.SUPPRESS,
     )
     d = TrainConfig()
@@ -136,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
     )
+    p.add_argument("--log-interval", type=int, help="optimizer steps between reads of the "
+                   f"running loss from the device (default {d.log_interval})")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="write loss, accuracy, learning rate, samples/s and peak memory for "
+                   "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
     p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
                    "deit_*, ...) converted to a reversible coupling (pareprop.convert), from "
                    "timm's pretrained weights; offline, give them as --pretrained-file")

@@ -65,8 +65,12 @@ class TorchvisionVideo(nn.Module):
                 "mvit_v1_b takes other num_frames and img_size"
             )
         enc = self.net.pos_encoding
-        stride = self.net.conv_proj.stride
-        T, H, W = (s // st for s, st in zip(self.clip_size, stride))
+        conv = self.net.conv_proj
+        # The patch embedding's output grid: (16, 224, 224) -> (8, 56, 56); 3 frames -> 2.
+        T, H, W = (
+            (s + 2 * p - k) // st + 1
+            for s, p, k, st in zip(self.clip_size, conv.padding, conv.kernel_size, conv.stride)
+        )
         self.net.pos_encoding = video.mvit.PositionalEncoding(
             enc.spatial_pos.shape[-1], (H, W), T, rel_pos_embed=False
         )

@@ -8,15 +8,24 @@ types, and ``__post_init__`` refuses a bad value before anything runs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pareprop.budget import parse_budget
 from pareprop.chunking import parse_chunking
+from pareprop.devices import check_device_name
 from pareprop.finetune import apply_convert_options
 
 AMP_MODES = ("none", "bf16", "fp16")
+# Seeds from 0 to 2**32 - 1: numpy's range, and each epoch's seed (seed + 7919 * epoch + rank)
+# stays within the 64 bits torch.manual_seed takes.
+MAX_SEED = 2**32 - 1
+MISSING_TENSORBOARD = (
+    "--tensorboard needs the tensorboard package, which is not installed: pip install "
+    "tensorboard (or pareprop[tensorboard]), or drop --tensorboard"
+)
 # Model settings used when a run names no model kwargs. The default model at digits scale:
 # 8x8 grey input, 2x2 patches (16 tokens), width 64, 4 reversible blocks (0.2M parameters) reaches
 # >= 95% validation accuracy in a few minutes on a 2-core CPU (docs/training.md has the command).
@@ -69,6 +78,12 @@ class TrainConfig:
     stop_after_epochs: Optional[int] = None
     max_steps: Optional[int] = None
     progress: bool = True
+    # Optimizer steps between the host's reads of the running loss (the progress bar, the
+    # TensorBoard scalars, the non-finite check): NOTE [ Reading the device once per log
+    # interval ] in trainer/loop.py.
+    log_interval: int = 10
+    # Write the run's scalars for TensorBoard into OUT/tensorboard (torch.utils.tensorboard).
+    tensorboard: bool = False
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
@@ -90,7 +105,7 @@ class TrainConfig:
         apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
-        for name in ("epochs", "batch_size", "grad_accum"):
+        for name in ("epochs", "batch_size", "grad_accum", "log_interval"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "stop_after_epochs"):
@@ -119,6 +134,12 @@ class TrainConfig:
                 )
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"expected --seed from 0 to {MAX_SEED} (2**32 - 1), got {self.seed}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(MISSING_TENSORBOARD)
+        # The device's form here; whether this machine has it, when the run sets up.
+        check_device_name(self.device, auto=True)
         if self.model_kwargs is None:
             self.model_kwargs = dict(PRESETS.get((self.model, self.dataset), {}))
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -169,6 +190,8 @@ def _coerce(name: str, value: Any, type_name: str) -> Any:
             return value
         raise ValueError(f"expected {name} true or false, got {value!r}")
     if base in ("int", "float"):
+        if base == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return value  # as it is: through a float, 99999999999999999999 would be 1e20
         if not isinstance(value, bool):
             try:
                 number = float(value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,38 @@ from pareprop.trainer.report import peak_mem_mb
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the run stopped before the optimizer step."""
+    """The loss (or gradient norm) became NaN or infinite; the run stopped before saving."""
+
+
+# NOTE [ Reading the device once per log interval ]
+#     A ``.item()`` is the host waiting for the device: one per micro-batch (the loss, the
+#     correct count, the finiteness check) drains the queue of launched work that CUDA graphs
+#     and PaReprop's overlapped backward depend on, every micro-batch. So the running numbers
+#     stay on the device: the sums of loss x n and of correct answers (float64, added in the
+#     order a read per micro-batch would add them: every metric is the same, bit for bit),
+#     each step's loss, and the first non-finite loss or gradient norm with its step
+#     (``_Fault``). The host reads them all in one transfer every ``--log-interval`` optimizer
+#     steps and at the end of the epoch. A non-finite value is found there, up to one interval
+#     late: the run stops naming the step it happened at, its weights unsaved (a checkpoint is
+#     written only after the epoch's read), and the last good checkpoint is kept.
+
+
+class _Fault:
+    """The first non-finite value of an epoch, kept on the device: (what, value, step)."""
+
+    WHAT = ("loss", "the gradient norm")  # recorded as 1, 2 (0: none)
+
+    def __init__(self, device: torch.device):
+        self.found = torch.zeros((), dtype=torch.bool, device=device)
+        self.record = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def note(self, value: torch.Tensor, what: str, step: int) -> None:
+        value = value.detach().to(torch.float64).reshape(())
+        first = ~torch.isfinite(value) & ~self.found  # no host read: masks, not branches
+        code = float(self.WHAT.index(what) + 1)
+        fresh = torch.stack([value.new_full((), code), value, value.new_full((), float(step))])
+        self.record = torch.where(first, fresh, self.record)
+        self.found = self.found | first
 
 
 def _precision_advice(amp: str) -> str:
@@ -37,18 +68,15 @@ class TrainLoop:
 
     Part of :class:`~pareprop.trainer.Trainer`; uses what its set-up built (``net``,
     ``model``, ``sampler`` and the loaders, ``optimizer``, ``scheduler``, ``scaler``,
-    ``coupling``) and advances its ``step`` (and ``step_losses``).
+    ``coupling``) and advances its ``step`` (and ``step_losses``). The host reads the device
+    once per ``cfg.log_interval`` steps (NOTE [ Reading the device once per log interval ]).
     """
 
-    def _check_finite(self, value: torch.Tensor, what: str = "loss") -> None:
-        ok = torch.isfinite(value.detach()).to(torch.float32).reshape(1)
-        ok = dist_lib.all_reduce(ok, self.dist, op="min")
-        if ok.item() < 1:
-            raise NonFiniteLossError(
-                f"{what} is {value.item()} at epoch {self.epoch + 1}, step {self.step + 1}: "
-                f"stopped before the optimizer step; {self._kept()}. Lower --lr, raise "
-                f"--warmup-epochs, keep --clip-grad{_precision_advice(self.cfg.amp)}"
-            )
+    def _raise_non_finite(self, found: str) -> None:
+        raise NonFiniteLossError(
+            f"{found}: stopped before the weights were saved; {self._kept()}. Lower --lr, raise "
+            f"--warmup-epochs, keep --clip-grad{_precision_advice(self.cfg.amp)}"
+        )
 
     def _forward_backward(
         self, i: int, x: torch.Tensor, y: torch.Tensor
@@ -65,7 +93,7 @@ class TrainLoop:
                 loss = F.cross_entropy(
                     logits.float(), y, label_smoothing=self.cfg.label_smoothing
                 )
-            self._check_finite(loss)
+            self._fault.note(loss, "loss", self.step)
             self.scaler.scale(loss / in_group).backward()
         return loss, logits, last_micro
 
@@ -80,7 +108,7 @@ class TrainLoop:
             # With fp16 the scaler skips a step whose gradients overflowed; otherwise a
             # non-finite gradient (finite loss) would turn every weight into NaN.
             if not self.scaler.is_enabled():
-                self._check_finite(norm, "the gradient norm")
+                self._fault.note(norm, "the gradient norm", self.step)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -89,13 +117,36 @@ class TrainLoop:
         if self.coupling is not None:
             self.coupling.step()
 
+    def _read(self, sums: torch.Tensor, losses: List[torch.Tensor]) -> List[float]:
+        """The host's one read: ``sums``, then each pending step loss; stops on a fault."""
+        found = self._fault.found.to(torch.float64).reshape(1)
+        found = dist_lib.all_reduce(found, self.dist)  # every process stops together
+        parts = [sums.reshape(-1), found, self._fault.record, *(t.reshape(1) for t in losses)]
+        values = torch.cat([t.detach().to(sums.device, torch.float64) for t in parts]).tolist()
+        n = sums.numel()
+        self.step_losses.extend(values[n + 4:])
+        losses.clear()
+        if values[n] > 0:
+            code, value, step = values[n + 1 : n + 4]
+            if code == 0:  # found by another process
+                self._raise_non_finite(f"another process found a non-finite loss or gradient "
+                                       f"norm in epoch {self.epoch + 1}, by step {self.step}")
+            what = _Fault.WHAT[int(code) - 1]
+            self._raise_non_finite(f"{what} is {value} at epoch {self.epoch + 1}, "
+                                   f"step {int(step) + 1}")
+        return values[:n]
+
     def train_epoch(self) -> Dict[str, Any]:
         from tqdm import tqdm
 
         cfg = self.cfg
         self.net.train()
         self.sampler.set_epoch(self.epoch)
-        sums = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
+        # On the device, read every log interval (NOTE [ Reading the device once per log
+        # interval ]): loss * n and correct summed in float64; the samples counted here.
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._fault = _Fault(self.device)
+        losses: List[torch.Tensor] = []  # each step's loss, until the next read
         t0, seen = time.perf_counter(), 0
         bar = tqdm(
             self.train_loader,
@@ -112,39 +163,43 @@ class TrainLoop:
             y = y.to(self.device, non_blocking=True)
             loss, logits, last_micro = self._forward_backward(i, x, y)
             n = y.shape[0]
-            sums += torch.tensor(
-                [loss.item() * n, (logits.argmax(-1) == y).sum().item(), n],
-                dtype=torch.float64,
-            )
+            correct = (logits.argmax(-1) == y).sum()
+            sums += torch.stack([loss.detach().double() * n, correct.double()])
             seen += n
             if not last_micro:
                 continue
             self._optimizer_step()
-            self.step_losses.append(loss.item())
+            losses.append(loss.detach())
+            if self.step % cfg.log_interval:
+                continue
+            loss_sum, _ = self._read(sums, losses)
             rate = seen * self.dist.world_size / (time.perf_counter() - t0)
+            running = {"loss": loss_sum / seen, "lr": self.optimizer.param_groups[0]["lr"],
+                       "samples_per_s": rate, "peak_mem_mb": peak_mem_mb(self.device)}
+            self._write_scalars("train", running)
             bar.set_postfix(
-                loss=f"{sums[0].item() / sums[2].item():.4f}",
-                lr=f"{self.optimizer.param_groups[0]['lr']:.2e}",
-                samples_s=f"{rate:.0f}",
-                mem_mb=f"{peak_mem_mb(self.device):.0f}",
-                refresh=False,
+                loss=f"{running['loss']:.4f}", lr=f"{running['lr']:.2e}",
+                samples_s=f"{rate:.0f}", mem_mb=f"{running['peak_mem_mb']:.0f}", refresh=False,
             )
         bar.close()
-        sums = dist_lib.all_reduce(sums, self.dist)
+        # The epoch's totals over every process, read with the rest in one transfer.
+        totals = torch.cat([sums, sums.new_full((1,), float(seen))])
+        loss_sum, correct, count = self._read(dist_lib.all_reduce(totals, self.dist), losses)
         elapsed = time.perf_counter() - t0
         return {
-            "train_loss": sums[0].item() / max(sums[2].item(), 1),
-            "train_acc": sums[1].item() / max(sums[2].item(), 1),
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc": correct / max(count, 1),
             "lr": self.optimizer.param_groups[0]["lr"],
             "time_s": elapsed,
-            "samples_per_s": sums[2].item() / elapsed,
+            "samples_per_s": count / elapsed,
         }
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         """Loss (plain cross-entropy) and accuracy on the validation set, over all processes."""
         self.net.eval()
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, correct
+        seen = 0
         batches = list(self.val_loader) if self.cfg.fsdp else self.val_loader
         if self.cfg.fsdp:
             # Every forward of a sharded model all-gathers, so every process must run the same
@@ -158,13 +213,11 @@ class TrainLoop:
             with self._autocast():
                 logits = self.model(x)  # the bare model: DDP needs no sync in evaluation
             loss = F.cross_entropy(logits.float(), y, reduction="sum")
-            sums += torch.tensor(
-                [loss.item(), (logits.argmax(-1) == y).sum().item(), y.shape[0]],
-                dtype=torch.float64,
-            )
-        sums = dist_lib.all_reduce(sums, self.dist)
-        return {
-            "val_loss": sums[0].item() / sums[2].item(),
-            "val_acc": sums[1].item() / sums[2].item(),
-        }
+            correct = (logits.argmax(-1) == y).sum()
+            sums += torch.stack([loss.double(), correct.double()])  # read once, at the end
+            seen += y.shape[0]
+        totals = dist_lib.all_reduce(torch.cat([sums, sums.new_full((1,), float(seen))]),
+                                     self.dist)
+        loss_sum, correct, count = totals.tolist()
+        return {"val_loss": loss_sum / count, "val_acc": correct / count}
 

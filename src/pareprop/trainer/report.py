@@ -1,8 +1,19 @@
-"""What a run tells: its messages (on process 0, to stderr) and its ``metrics.jsonl``.
+"""What a run tells: its messages (on process 0, to stderr), its ``metrics.jsonl`` and, with
+``--tensorboard``, its scalars for TensorBoard.
 
 One line of ``metrics.jsonl`` per epoch (``type: epoch``), per evaluation of a checkpoint
 (``type: eval``) and per run (``type: summary``); :data:`TIMING_KEYS` are the fields that
 measure the machine rather than the run.
+
+NOTE [ TensorBoard ]
+    ``--tensorboard`` writes, as timm's and torchvision's reference scripts do, with
+    ``torch.utils.tensorboard.SummaryWriter`` into ``OUT/tensorboard`` (``tensorboard --logdir
+    OUT``), every scalar against the optimizer step: ``train/loss`` (the epoch's running mean),
+    ``train/lr``, ``train/samples_per_s`` and ``train/peak_mem_mb`` every ``--log-interval``
+    steps, and each epoch's record (``epoch/train_loss``, ``epoch/train_acc``,
+    ``epoch/val_loss``, ``epoch/val_acc``, ``epoch/lr``, ``epoch/samples_per_s``,
+    ``epoch/peak_mem_mb``) at its last step. A resumed run purges what its directory's files
+    hold past the checkpoint it resumes from (``purge_step``): the part of the run that was lost.
 """
 
 from __future__ import annotations
@@ -12,12 +23,17 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
+from pareprop.trainer.config import MISSING_TENSORBOARD
+
 # Fields of a metrics record that measure the machine, not the run; exact resume compares the rest.
 TIMING_KEYS = ("time_s", "samples_per_s", "peak_mem_mb")
+# The fields of an epoch's record written for TensorBoard (NOTE [ TensorBoard ]).
+EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "samples_per_s",
+                 "peak_mem_mb")
 
 
 def peak_mem_mb(device: torch.device) -> float:
@@ -33,6 +49,30 @@ class RunReport:
     Part of :class:`~pareprop.trainer.Trainer`; reads its ``dist``, ``cfg``, ``model``,
     ``device``, ``epoch``, ``step``, ``best`` and ``last_checkpoint``.
     """
+
+    _scalars: Optional[Any] = None  # the SummaryWriter of --tensorboard, on process 0
+
+    def _open_scalars(self) -> None:
+        """With ``--tensorboard``, open ``OUT/tensorboard`` (NOTE [ TensorBoard ])."""
+        if not self.cfg.tensorboard or self.dist.rank != 0:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional: pareprop[tensorboard]
+        except ImportError:
+            raise ValueError(MISSING_TENSORBOARD) from None
+        # Resumed: what the files hold past the checkpoint's step was lost with the run.
+        self._scalars = SummaryWriter(os.path.join(self.cfg.out, "tensorboard"),
+                                      purge_step=self.step + 1 if self.step else None)
+
+    def _write_scalars(self, group: str, values: Dict[str, float]) -> None:
+        if self._scalars is not None:
+            for name, value in values.items():
+                self._scalars.add_scalar(f"{group}/{name}", value, self.step)
+
+    def _close_scalars(self) -> None:
+        if self._scalars is not None:
+            self._scalars.close()
+            self._scalars = None
 
     def _log(self, msg: str) -> None:
         if self.dist.rank == 0:

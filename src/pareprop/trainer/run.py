@@ -14,7 +14,7 @@ from pareprop import rundir
 from pareprop.trainer.config import TrainConfig
 from pareprop.trainer.directory import RunDirectory
 from pareprop.trainer.loop import NonFiniteLossError, TrainLoop
-from pareprop.trainer.report import RunReport, peak_mem_mb
+from pareprop.trainer.report import EPOCH_SCALARS, RunReport, peak_mem_mb
 from pareprop.trainer.setup import RunSetup
 from pareprop.trainer.state import TrainState
 
@@ -75,6 +75,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
             # Claimed even when nothing is left to train: a run killed after its last save
             # gets that epoch's metrics line back (NOTE [ Run directories ]).
             self._claim_run_dir()
+            self._open_scalars()
             if self.resume is not None and self.epoch >= cfg.epochs:
                 self._log(
                     f"{cfg.out}: the run has done all its {cfg.epochs} epochs, nothing to "
@@ -85,6 +86,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         except KeyboardInterrupt:
             raise TrainingInterrupted(self._interrupted()) from None
         finally:
+            self._close_scalars()
             self._release_run_dir()
 
     def _evaluate_checkpoint(self) -> Dict[str, Any]:
@@ -143,6 +145,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
             )
         self.save(metrics)
         self._append_metrics(metrics)
+        self._write_scalars("epoch", {k: metrics[k] for k in EPOCH_SCALARS})
         self._log(
             f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, val_loss "
             f"{metrics['val_loss']:.4f}, val_acc {metrics['val_acc']:.4f} "
