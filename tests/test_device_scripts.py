@@ -3,6 +3,7 @@ overlap arithmetic and their usage errors. The scripts run end to end (tiny mode
 CI through ``benchmarks/gpu.sh --dry-run``."""
 
 import argparse
+import json
 import os
 import sys
 
@@ -146,3 +147,55 @@ def test_small_batch_ratios_with_and_without_graphs(capsys):
     small_batch._ratios({k: v for k, v in ms.items() if "+graphs" not in k}, row)
     small_batch._print_row("m", 8, ms, row)
     assert "with graphs: not run (no CUDA" in capsys.readouterr().out
+
+
+SMALL = ["--device", "cpu", "--img-size", "32", "--depth", "1", "--warmup", "0", "--rounds",
+         "1", "--pair", "rev_vit_tiny_patch4_32", "vit_tiny_patch16_224"]
+
+
+def test_small_batch_graphed_engines_that_fail_leave_the_eager_rows(tmp_path, monkeypatch):
+    # Graphs forced on the CPU: each graphed engine fails at its capture (CUDA graphs need a
+    # CUDA device), as a capture error would on the device; the eager figures must survive.
+    monkeypatch.setattr(small_batch, "graphs_run", lambda args: None)
+    out = tmp_path / "small.json"
+    assert small_batch.main(SMALL + ["--batch-sizes", "2", "--graphs", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert set(row["ms"]) == {*small_batch.ENGINES, small_batch.CHECKPOINTED}
+    assert set(row["errors"]) == set(small_batch.GRAPHED)
+    assert all(e.startswith("ValueError: cuda_graphs=True captures") for e in
+               row["errors"].values()), row["errors"]
+    assert row["reversible_over_autograd"] > 0
+    assert row["graphs"]["reversible_over_autograd"] is None  # said, not guessed
+    assert row["graphs"]["eager_over_graphed"] == {}
+
+
+def test_small_batch_an_engine_that_raises_is_dropped_and_the_others_go_on(tmp_path,
+                                                                            monkeypatch, capsys):
+    engine_of = {}
+    configure, step = small_batch.configure, small_batch.training_step
+
+    def remember(net, engine):
+        engine_of[id(net)] = engine
+        return configure(net, engine)
+
+    def failing_step(net, *args):
+        if engine_of.get(id(net)) == "pareprop":
+            raise RuntimeError("boom\nthe rest of the message")
+        return step(net, *args)
+
+    monkeypatch.setattr(small_batch, "configure", remember)
+    monkeypatch.setattr(small_batch, "training_step", failing_step)
+    out = tmp_path / "small.json"
+    assert small_batch.main(SMALL + ["--batch-sizes", "2", "3", "--json", str(out)]) == 0
+    first, second = json.loads(out.read_text())
+    assert first["errors"] == {"pareprop": "RuntimeError: boom"}
+    assert "pareprop" not in first["ms"] and "pareprop-fallback" in first["ms"]
+    assert first["pareprop_throughput_over_reprop"] is None
+    assert first["reversible_over_autograd"] > 0
+    assert second["batch"] == 3 and second["errors"] == {}
+    assert second["not_run"] == {"pareprop": "failed at batch 2"}
+    assert set(second["ms"]) == {"autograd", "reversible", "pareprop-fallback",
+                                 small_batch.CHECKPOINTED}
+    log = capsys.readouterr().out
+    assert "pareprop failed: RuntimeError: boom" in log
+    assert "pareprop not run: failed at batch 2" in log
