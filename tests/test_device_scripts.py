@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "benchmarks")
@@ -199,3 +200,98 @@ def test_small_batch_an_engine_that_raises_is_dropped_and_the_others_go_on(tmp_p
     log = capsys.readouterr().out
     assert "pareprop failed: RuntimeError: boom" in log
     assert "pareprop not run: failed at batch 2" in log
+
+
+class TracingCase(FakeCase):
+    """A FakeCase on a "CUDA" device with --trace-oom, recording the batches it traced."""
+
+    def __init__(self, planned, limit):
+        super().__init__(planned, limit)
+        self.args.trace_oom = True
+        self.device = argparse.Namespace(type="cuda")
+        self.traced = []
+
+    def trace(self, batch):
+        self.traced.append(batch)
+        return [f"traced {batch}"]
+
+
+def test_memory_is_traced_only_when_the_planned_batch_fails():
+    case = TracingCase(planned=100, limit=102)  # the +5% probe fails, as expected
+    case.search()
+    assert case.tried[:2] == [100, 105] and case.traced == []
+    case = TracingCase(planned=100, limit=60)  # the plan itself fails: traced once, at the plan
+    result = case.search()
+    assert case.traced == [100] and len(case.tried) > 2
+    assert result["steps"][0]["trace"] == ["traced 100"]
+
+
+def test_trace_keeps_python_stacks_a_bounded_history_and_snapshots_at_the_oom(monkeypatch):
+    calls, events = [], []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: events.append("snapshot") or {
+        "segments": [{"blocks": [{"state": "active_allocated", "size": 3 * 2**30, "frames": [
+            {"filename": "/x/pareprop/engine/rebuild.py", "line": 7, "name": "_recover"}]}]}]})
+
+    class OomCase(FakeCase):
+        def step(self, batch, on_oom=None):
+            events.append("step")
+            on_oom()  # as Case.step does inside its except block
+            events.append("cleaned up")
+            return dict(batch=batch, fits=False, peak_gib=None)
+
+    alive = OomCase(planned=10, limit=0).trace(10)
+    assert alive == ["3.00 GiB  rebuild.py:7 _recover"]
+    assert events == ["step", "snapshot", "cleaned up"]  # the tensors of the failed step alive
+    assert calls == [dict(max_entries=real_largest_batch.TRACE_ENTRIES, stacks="python"),
+                     dict(enabled=None)]
+
+
+def _tiny_args(*cases, head=()):
+    argv = ["--cap", "1GiB", "--device", "cpu", "--img-size", "32", "--steps", "2", *head]
+    for model, planned in cases:
+        argv += ["--case", model, "reversible", str(planned), "--depth", "1"]
+    return argv
+
+
+def test_step_reports_out_of_memory_while_the_failed_step_is_alive(monkeypatch):
+    args = real_largest_batch.parse_cases(_tiny_args(("rev_vit_tiny_patch4_32", 2)))
+    case = real_largest_batch.Case(args.cases[0], args)
+    seen = []
+    for err in (torch.cuda.OutOfMemoryError("CUDA out of memory."),
+                RuntimeError("CUDA error: out of memory")):
+        def oom(*a, err=err, **kw):
+            raise err
+
+        monkeypatch.setattr(real_largest_batch, "memory_report", oom)
+        record = case.step(2, on_oom=lambda: seen.append(True))
+        assert record["fits"] is False and record["peak_gib"] is None
+    assert seen == [True, True]
+    monkeypatch.setattr(real_largest_batch, "memory_report",
+                        lambda *a, **kw: (_ for _ in ()).throw(ValueError("not memory")))
+    with pytest.raises(ValueError, match="not memory"):  # not taken for out of memory
+        case.step(2)
+
+
+def test_each_largest_batch_case_is_written_when_it_ends(tmp_path, monkeypatch):
+    # The first case fails to build (recorded with its error), the second runs, the third is
+    # killed in its second step: the JSON keeps the first two and the third's first step.
+    out = tmp_path / "largest.json"
+    step = real_largest_batch.Case.step
+
+    def killed(self, batch, on_oom=None):
+        if self.planned == 4 and batch != 4:  # the third case, after its first step
+            raise KeyboardInterrupt  # as a kill would: no except clause of the script sees it
+        return step(self, batch, on_oom)
+
+    monkeypatch.setattr(real_largest_batch.Case, "step", killed)
+    argv = _tiny_args(("no_such_model", 2), ("rev_vit_tiny_patch4_32", 2),
+                      ("rev_vit_tiny_patch4_32", 4), head=["--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        real_largest_batch.main(argv)
+    failed, done, cut = json.loads(out.read_text())
+    assert failed["model"] == "no_such_model" and failed["error"].split(":")[0] in (
+        "KeyError", "ValueError", "RuntimeError")
+    assert done["finished"] is True and done["real"] == 3 and len(done["steps"]) == 2
+    assert cut["finished"] is False and [s["batch"] for s in cut["steps"]] == [4]
