@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pareprop.bench import stop as bench_stop
 
@@ -269,3 +270,42 @@ def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
     assert steps[4][0] == "controls" and steps[4][1] == "0"  # the later step still ran
     assert proc.returncode == 1
     assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 45
+
+
+# ---------------------------------------------------------------------------------------------
+# tests/conftest.py: PAREPROP_DROP_WAIT, the controls' switch
+
+def test_dropping_a_wait_skips_only_that_wait_and_counts_it(monkeypatch):
+    import conftest
+    from pareprop.engine.lanes import _Lanes
+
+    waited = []
+    monkeypatch.setattr(_Lanes, "wait", lambda self, i, event, n: waited.append(n))
+    monkeypatch.setattr(conftest, "_DROPPED", [0])
+    lanes = _Lanes(torch.device("cpu"), [False, False])
+    lanes.enabled = True  # as on CUDA; the stand-in wait above touches no stream
+    with conftest._dropping("recover-after-recover"):
+        lanes.wait(0, object(), "recover-after-recover")  # dropped
+        lanes.wait(0, None, "recover-after-recover")  # no event: nothing to drop
+        lanes.wait(0, object(), "grads-after-grads")  # another wait: kept
+    assert waited == ["grads-after-grads"] and conftest._DROPPED == [1]
+    lanes.wait(0, object(), "recover-after-recover")  # after the block: waits again
+    assert waited[-1] == "recover-after-recover"
+    with conftest._dropping("join"):
+        lanes.join()
+    assert conftest._DROPPED == [2]
+
+
+def test_drop_wait_names_are_checked_and_the_count_is_printed(monkeypatch):
+    import conftest
+
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "no-such-wait")
+    with pytest.raises(pytest.UsageError, match="PAREPROP_DROP_WAIT: expected one of "
+                                                "recover-after-recover, "):
+        conftest._drop_wait_name()
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "join")
+    monkeypatch.setattr(conftest, "_DROPPED", [3])
+    lines = []
+    conftest.pytest_terminal_summary(type("Reporter", (), {"write_line": lambda self, line:
+                                                           lines.append(line)})())
+    assert lines == ["PAREPROP_DROP_WAIT=join: dropped 3 times"]
