@@ -175,7 +175,16 @@ case "$1" in
       trap '' TERM  # ignores the polite stop: only SIGKILL ends it
       sleep 100
     fi
-    echo "3 passed in 0.01s" ;;
+    case ${PAREPROP_DROP_WAIT:-} in
+      join)  # caught
+        echo "FAILED tests/test_pareprop_gpu.py::test_final_join - AssertionError: off by nan"
+        echo "PAREPROP_DROP_WAIT=join: dropped 2 times"
+        echo "1 failed, 2 passed in 0.01s" ;;
+      recover-after-grads)  # not caught, never reached
+        echo "PAREPROP_DROP_WAIT=recover-after-grads: dropped 0 times"
+        echo "3 passed in 0.01s" ;;
+      *) echo "3 passed in 0.01s" ;;
+    esac ;;
   *) echo "ran $1" ;;
 esac
 """
@@ -217,24 +226,40 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     assert "--case rev_vit_base_patch16_224 reversible 9241 --chunk-bytes 1GiB" in largest
     assert "--case vit_base_patch16_224 checkpointed 2767" in largest
     assert "--case swin_tiny_patch4_window7_224 checkpointed" in largest
+    assert largest.index("--case vit_base_patch16_224 plain") > largest.index("swin_tiny")
     assert "--pair rev_vit_large_patch16_224 vit_large_patch16_224" in small
-    assert "--batch-sizes 8 16 32 64" in small
-    assert "--graphs" in small  # every engine with and without CUDA graphs
-    limit = int(small.split("--time-limit ")[1].split()[0])  # 3/4 of the step's allowance
-    assert 0 < limit < 480 and "--time-limit" not in largest + profile
+    assert "--batch-sizes 8 16 32 --graphs" in small  # the targets' range, with CUDA graphs
+    for script in (largest, small):  # 3/4 of the step's allowance
+        limit = int(script.split("--time-limit ")[1].split()[0])
+        assert 0 < limit < 480
+    assert "--time-limit" not in profile
     assert "--overlap rev_vit_large_patch16_224 32" in profile
     pytest_calls = [c for c in calls if c.startswith("-m pytest")]
-    assert "-m gpu" in pytest_calls[0] and pytest_calls[0].endswith("|DROP=")
-    # one control per wait the engine names (the fake python names two), each dropping it
-    assert [c.rsplit("DROP=", 1)[1] for c in pytest_calls[1:]] == ["recover-after-grads", "join"]
-    assert all("tests/test_pareprop_gpu.py" in c for c in pytest_calls[1:])
+    tests = [c for c in pytest_calls if c.endswith("|DROP=")]
+    controls = [c for c in pytest_calls if not c.endswith("|DROP=")]
+    # one process per GPU test file, the lane tests first, the graphed ones last
+    assert all("-m gpu" in c for c in pytest_calls)
+    assert [c.split("|")[0].split()[-1] for c in tests] == [
+        "tests/test_pareprop_gpu.py", "tests/test_engine_gpu.py", "tests/test_cuda_graphs_gpu.py"]
+    assert pytest_calls[:3] == tests
+    # one control per wait the engine names (the fake python names two), each dropping it,
+    # each running the lane tests, the slowed engine tests and the graphed PaReprop tests
+    assert [c.rsplit("DROP=", 1)[1] for c in controls] == ["recover-after-grads", "join"]
+    for c in controls:
+        assert ("tests/test_pareprop_gpu.py tests/test_engine_gpu.py::test_slowed_blocks_give"
+                "_autograd_gradients tests/test_cuda_graphs_gpu.py -k pareprop and not warn") in c
     steps = _steps(out)
     assert [s[0] for s in steps] == ["largest", "small", "profile", "tests", "controls"]
     assert all(s[1] == "0" for s in steps)
     lines = proc.stdout.rstrip().splitlines()
     assert "summary:" in lines and lines[-1].startswith("total: ")
-    # the fake tests "passed" with each wait dropped: the script says the control failed
-    assert "control join: NOT caught (the tests passed without this wait)" in proc.stdout
+    assert "  gpu tests: tests/test_cuda_graphs_gpu.py: 3 passed in 0.01s" in lines
+    assert ("  control join: caught by tests/test_pareprop_gpu.py::test_final_join") in lines
+    # a control the tests do not catch says whether they reached the wait, and names the test
+    # built to catch it
+    assert ("  control recover-after-grads: NOT caught (the tests passed; no test reached the "
+            "wait); the test built to catch it: test_lifetime_guard_keeps_memory_a_slowed_"
+            "reader_still_needs") in lines
 
 
 def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
@@ -264,12 +289,14 @@ def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
     took = time.monotonic() - t0
     steps = _steps(out)
     # 100 s - 10 s for the summary; the scripts before return at once, so the tests get
-    # 50 / (50 + 110) of 90 s: 28 s, SIGKILL included
-    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 29
+    # 110 / (110 + 90) of 90 s: 49 s, SIGKILL included, shared by three files that each hang
+    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 50
     assert [s[1] for s in steps[:3]] == ["0"] * 3
+    files = (out / "gpu_tests.log").read_text().splitlines()
+    assert len(files) == 3 and all(": timed out after " in f for f in files), files
     assert steps[4][0] == "controls" and steps[4][1] == "0"  # the later step still ran
     assert proc.returncode == 1
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 45
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 65
 
 
 # ---------------------------------------------------------------------------------------------
