@@ -178,8 +178,9 @@ case "$1" in
     case ${PAREPROP_DROP_WAIT:-} in
       join)  # caught
         echo "FAILED tests/test_pareprop_gpu.py::test_final_join - AssertionError: off by nan"
+        echo "FAILED tests/test_cuda_graphs_gpu.py::test_bf16[pareprop] - RuntimeError: x"
         echo "PAREPROP_DROP_WAIT=join: dropped 2 times"
-        echo "1 failed, 2 passed in 0.01s" ;;
+        echo "2 failed, 2 passed, 9 skipped in 0.01s" ;;
       recover-after-grads)  # not caught, never reached
         echo "PAREPROP_DROP_WAIT=recover-after-grads: dropped 0 times"
         echo "3 passed in 0.01s" ;;
@@ -254,7 +255,8 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     lines = proc.stdout.rstrip().splitlines()
     assert "summary:" in lines and lines[-1].startswith("total: ")
     assert "  gpu tests: tests/test_cuda_graphs_gpu.py: 3 passed in 0.01s" in lines
-    assert ("  control join: caught by tests/test_pareprop_gpu.py::test_final_join") in lines
+    assert ("  control join: caught by tests/test_pareprop_gpu.py::test_final_join; under CUDA "
+            "graphs by tests/test_cuda_graphs_gpu.py::test_bf16[pareprop]") in lines
     # a control the tests do not catch says whether they reached the wait, and names the test
     # built to catch it
     assert ("  control recover-after-grads: NOT caught (the tests passed; no test reached the "
@@ -289,8 +291,8 @@ def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
     took = time.monotonic() - t0
     steps = _steps(out)
     # 100 s - 10 s for the summary; the scripts before return at once, so the tests get
-    # 110 / (110 + 90) of 90 s: 49 s, SIGKILL included, shared by three files that each hang
-    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 50
+    # 115 / (115 + 105) of 90 s: 47 s, SIGKILL included, shared by three files that each hang
+    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 48
     assert [s[1] for s in steps[:3]] == ["0"] * 3
     files = (out / "gpu_tests.log").read_text().splitlines()
     assert len(files) == 3 and all(": timed out after " in f for f in files), files
@@ -336,3 +338,26 @@ def test_drop_wait_names_are_checked_and_the_count_is_printed(monkeypatch):
     conftest.pytest_terminal_summary(type("Reporter", (), {"write_line": lambda self, line:
                                                            lines.append(line)})())
     assert lines == ["PAREPROP_DROP_WAIT=join: dropped 3 times"]
+
+
+def test_a_control_skips_the_rest_of_a_group_after_its_first_failure(monkeypatch):
+    import conftest
+
+    def item(nodeid):
+        return type("Item", (), {"nodeid": nodeid})()
+
+    def failed(nodeid):
+        return type("Report", (), {"nodeid": nodeid, "failed": True})()
+
+    monkeypatch.setattr(conftest, "_CAUGHT", {})
+    monkeypatch.delenv("PAREPROP_DROP_WAIT", raising=False)
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
+    conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))  # no control
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "join")
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
+    with pytest.raises(pytest.skip.Exception, match="caught already, by tests/test_pareprop"):
+        conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))
+    conftest.pytest_runtest_setup(item("tests/test_cuda_graphs_gpu.py::test_x"))  # runs
+    conftest.pytest_runtest_logreport(failed("tests/test_cuda_graphs_gpu.py::test_x"))
+    with pytest.raises(pytest.skip.Exception, match="test_cuda_graphs_gpu.py::test_x"):
+        conftest.pytest_runtest_setup(item("tests/test_pareprop_gpu.py::test_graphed_lanes"))

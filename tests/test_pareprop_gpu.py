@@ -12,12 +12,16 @@ Each of the schedule's waits (``_Lanes.WAITS``) has a test built to fail without
 * ``grads-after-grads`` and ``bottom-grads-after-grads``: grads(k) reads the dY that grads(k+1)
   writes on the other lane; gradients slowed on the producing lane, written into NaN.
 
-(The slowed blocks of tests/test_engine_gpu.py, NOTE [ Tests that can catch a race ], may catch
-any of them too, but their recover and grads are slowed alike, so which lane is late is left to
-chance.) Beside them: no "AccumulateGrad node's stream does not match" warning from PaReprop's
-backward, checked in fresh processes against a control that shows this torch does warn; the
-fallback to Reprop deciding on the device, with exact gradients; the FSDP prefetch with a
-slowed lane and poisoned memory (two GPUs; skipped with fewer).
+The same schedule captured as CUDA graphs, its waits now edges of a graph, with blocks slowed
+in both recomputation and backward: every wait but ``recover-after-grads`` (a lifetime wait,
+needed beside stored blocks; not tested under graphs). (The slowed blocks of
+tests/test_engine_gpu.py, NOTE [ Tests that can catch a race ], may catch any of them too, but
+their recover and grads are slowed alike, so which lane is late is left to chance.)
+
+Beside them: no "AccumulateGrad node's stream does not match" warning from PaReprop's backward,
+checked in fresh processes against a control that shows this torch does warn; the fallback to
+Reprop deciding on the device, with exact gradients; the FSDP prefetch with a slowed lane and
+poisoned memory (two GPUs; skipped with fewer).
 """
 
 import logging
@@ -33,7 +37,7 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import fsdp
-from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane
+from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane, graphs
 from pareprop.engine.lanes import _block_lanes, _side_stream
 from pareprop.testing import engine_errors, relative_error
 
@@ -210,6 +214,39 @@ def test_grads_wait_for_the_slowed_gradients_above():
         torch.cuda.synchronize()
         key, err = max(errors.items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
         assert err < 1e-10, f"{key} off by {err:.3e}"
+
+
+def test_graphed_schedule_keeps_the_waits_between_lanes():
+    # Under cuda_graphs=True the schedule above is captured once, each wait becoming an edge of
+    # the graph, and replayed. Blocks 1 and 3 (main lane) are slowed in recomputation and in
+    # the backward of F and G, so recover(2), recover(0), grads(2) and grads(0) on the side
+    # lane would read what those blocks write before it is written, were an edge missing. In a
+    # replay that memory holds the previous step's values, and each step has new data: the
+    # gradients would differ from autograd's. Without the final join the capture itself fails.
+    dim = 32
+
+    def model(engine):
+        torch.manual_seed(0)
+        slowed = dict(slow=True, slow_recompute=True)
+        net = Model([Block(dim), Block(dim, **slowed), Block(dim), Block(dim, **slowed)])
+        pareprop.set_engine(net, engine, **(dict(fallback=False, cuda_graphs=True)
+                                            if engine == "pareprop" else {}))
+        return net.double().cuda()
+
+    graphed, reference = model("pareprop"), model("autograd")
+    data = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(graphs.WARMUP_STEPS + 3):  # eager steps, the capture, two more replays
+        x = torch.randn(8, 64, dim, dtype=torch.float64, device="cuda", generator=data)
+        got = []
+        for net in (graphed, reference):
+            net.zero_grad(set_to_none=True)
+            net(x).pow(2).sum().backward()
+            got.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        torch.cuda.synchronize()
+        for name, want in got[1].items():
+            err = relative_error(got[0][name], want)
+            assert err < 1e-10, f"step {step}: {name} off by {err:.3e}"
+    assert graphed.stack.cuda_graph_status.startswith("captured")
 
 
 def _run_fresh(script):
