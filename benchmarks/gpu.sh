@@ -62,10 +62,14 @@ GRACE=5           # `timeout -k`: seconds between SIGTERM and SIGKILL, inside th
 SUMMARY_RESERVE=10
 MIN_STAGE=10      # a step with less than this is skipped
 FLOOR=15          # seconds kept for each later test file or control: a start and a few tests
+                  # (the dry run keeps more: a start takes longer on a busy CPU)
 declare -A PLAN   # planned seconds; the allowance scales them to what is left
 if ((DRY)); then
   TOTAL=${GPU_SH_TOTAL_S:-380}
-  PLAN=([largest]=80 [small]=120 [profile]=50 [tests]=40 [controls]=80)
+  # Measured on the 2-core machine at load 10 (2026-12-05): largest 31 s, small 50, profile
+  # 22; each pytest start takes 10-30 s there, and tests and controls start eight of them.
+  PLAN=([largest]=50 [small]=70 [profile]=40 [tests]=90 [controls]=120)
+  FLOOR=25
   DEVICE=(--device cpu)
   # A cap the tiny models fill at a few dozen images; the planned batches from
   # `pareprop.largest_batch(MODEL, ENGINE, 24 * 2**20, amp="bf16", img_size=32, device="cpu",
