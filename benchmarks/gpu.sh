@@ -66,9 +66,10 @@ FLOOR=15          # seconds kept for each later test file or control: a start an
 declare -A PLAN   # planned seconds; the allowance scales them to what is left
 if ((DRY)); then
   TOTAL=${GPU_SH_TOTAL_S:-380}
-  # Measured on the 2-core machine at load 10 (2026-12-05): largest 31 s, small 50, profile
-  # 22; each pytest start takes 10-30 s there, and tests and controls start eight of them.
-  PLAN=([largest]=50 [small]=70 [profile]=40 [tests]=90 [controls]=120)
+  # Measured on the 2-core machine at load 10-11 (2026-12-05): largest 31 s, small 25-50,
+  # profile 20; a pytest start takes 20-40 s there: tests start three, controls one (without
+  # CUDA the others would skip the same tests).
+  PLAN=([largest]=60 [small]=80 [profile]=50 [tests]=110 [controls]=70)
   FLOOR=25
   DEVICE=(--device cpu)
   # A cap the tiny models fill at a few dozen images; the planned batches from
@@ -253,7 +254,8 @@ fi
 # order: the lane tests, each built to catch one wait (CATCHER), then the slowed blocks of the
 # engine tests and the graphed PaReprop tests; -k keeps their PaReprop cases and leaves out
 # the tests that start processes (warn, fsdp, ddp) or compile. Without CUDA they skip, so
-# nothing can be caught: the dry run says so. A control that is not caught names the test built
+# nothing can be caught: the dry run says so, after one start (the others would skip alike).
+# A control that is not caught names the test built
 # for it and whether the tests reached the wait at all (tests/conftest.py counts the drops).
 CONTROL_TESTS=(tests/test_pareprop_gpu.py
                tests/test_engine_gpu.py::test_slowed_blocks_give_autograd_gradients
@@ -266,13 +268,17 @@ declare -A CATCHER=(
   [bottom-grads-after-grads]=test_grads_wait_for_the_slowed_gradients_above
   [join]=test_final_join_waits_for_block_0_on_the_side_lane)
 controls() {
-  local end=$((SECONDS + $1)) i=0 n name a rc log waits dropped reached eager graphed
+  local end=$((SECONDS + $1)) i=0 n name a rc log waits dropped reached eager graphed no_cuda=0
   waits=$(python -c 'from pareprop.engine.lanes import _Lanes; print(" ".join(_Lanes.WAITS))') || return 1
   n=$(wc -w <<<"$waits")
   for name in $waits; do
     i=$((i + 1))
     log="$OUT/control_$name.log"
     a=$(part_limit "$end" $((n - i)))
+    if ((no_cuda)); then  # the same tests would skip again: no start spent on them
+      echo "control $name: not run (the GPU tests skip without a CUDA device, as above)"
+      continue
+    fi
     if ((a < 2 * GRACE)); then
       echo "control $name: not run (only ${a} s left)"
       continue
@@ -294,6 +300,7 @@ controls() {
       echo "control $name: not decided (timed out after $a s)"
     elif ! grep -qE '[0-9]+ passed' "$log" && grep -qE '[0-9]+ skipped' "$log"; then
       echo "control $name: not run (the GPU tests skipped: no CUDA device)"
+      no_cuda=1
     elif grep -qE '[0-9]+ passed' "$log"; then
       reached="the wait was dropped ${dropped:-?} times"
       [[ $dropped == 0 ]] && reached="no test reached the wait"
@@ -320,7 +327,7 @@ grep -h 'real/planned\|/ .* checkpointed: real' "$OUT/largest.log" 2>/dev/null |
 grep -h 'failed: \|skipped (time limit)' "$OUT/largest.log" 2>/dev/null | sed 's/^ */  /'
 grep -h 'reversible/autograd\|fallback chose\|with graphs\|CUDA graphs:\| failed: \|skipped (' \
   "$OUT/small.log" 2>/dev/null | sed 's/^ */  /' | head -40
-grep -h 'both busy\|copies' "$OUT/profile.log" 2>/dev/null | sed 's/^ */  /'
+grep -h 'both busy\|copies\|failed: ' "$OUT/profile.log" 2>/dev/null | sed 's/^ */  /'
 sed 's/^/  gpu tests: /' "$OUT/gpu_tests.log" 2>/dev/null
 sed 's/^/  /' "$OUT/controls.log" 2>/dev/null
 echo "total: ${SECONDS} s (limit ${TOTAL} s); results in $OUT"

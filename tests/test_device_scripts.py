@@ -295,3 +295,18 @@ def test_each_largest_batch_case_is_written_when_it_ends(tmp_path, monkeypatch):
         "KeyError", "ValueError", "RuntimeError")
     assert done["finished"] is True and done["real"] == 3 and len(done["steps"]) == 2
     assert cut["finished"] is False and [s["batch"] for s in cut["steps"]] == [4]
+
+
+def test_profile_parts_fail_alone(tmp_path, monkeypatch, capsys):
+    def broken(args):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    monkeypatch.setattr(profile_steps, "overlap", broken)
+    monkeypatch.setattr(profile_steps, "kernel_table", lambda args: {"rows": 3})
+    out = tmp_path / "profile.json"
+    assert profile_steps.main(["--device", "cpu", "--overlap", "m", "2", "--kernels", "a", "b",
+                               "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == {
+        "overlap": {"error": "RuntimeError: CUDA error: an illegal memory access"},
+        "kernels": {"rows": 3}}
+    assert "overlap failed: RuntimeError: CUDA error" in capsys.readouterr().out

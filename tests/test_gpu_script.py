@@ -175,6 +175,10 @@ case "$1" in
       trap '' TERM  # ignores the polite stop: only SIGKILL ends it
       sleep 100
     fi
+    if [[ $FAKE_CUDA == no ]]; then
+      echo "18 skipped in 0.01s"
+      exit 0
+    fi
     case ${PAREPROP_DROP_WAIT:-} in
       join)  # caught
         echo "FAILED tests/test_pareprop_gpu.py::test_final_join - AssertionError: off by nan"
@@ -272,6 +276,13 @@ def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
     assert len(scripted) == 3 and all("--device cpu" in c for c in scripted)
     assert "rev_vit_tiny_patch4_32" in scripted[0] and "--img-size 32" in scripted[0]
     assert "--graphs" in scripted[1]  # small_batch.py says itself that it ran none on the CPU
+    # without CUDA the tests skip: one control shows it, the others start no pytest
+    controls = [c for c in calls if c.startswith("-m pytest") and not c.endswith("|DROP=")]
+    assert [c.rsplit("DROP=", 1)[1] for c in controls] == ["recover-after-grads"]
+    assert ("control recover-after-grads: not run (the GPU tests skipped: no CUDA device)"
+            in proc.stdout)
+    assert "control join: not run (the GPU tests skip without a CUDA device, as above)" in (
+        proc.stdout)
 
 
 def test_gpu_mode_without_cuda_and_bad_usage_are_refused(tmp_path):
