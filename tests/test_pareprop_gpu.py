@@ -12,9 +12,8 @@ Each of the schedule's waits (``_Lanes.WAITS``) has a test built to fail without
 * ``grads-after-grads`` and ``bottom-grads-after-grads``: grads(k) reads the dY that grads(k+1)
   writes on the other lane; gradients slowed on the producing lane, written into NaN.
 
-The same schedule captured as CUDA graphs, its waits now edges of a graph, with blocks slowed
-in both recomputation and backward: every wait but ``recover-after-grads`` (a lifetime wait,
-needed beside stored blocks; not tested under graphs). (The slowed blocks of
+The same schedule captured as CUDA graphs, its waits now edges of a graph: blocks slowed in
+both recomputation and backward, and the lifetime test's stored blocks. (The slowed blocks of
 tests/test_engine_gpu.py, NOTE [ Tests that can catch a race ], may catch any of them too, but
 their recover and grads are slowed alike, so which lane is late is left to chance.)
 
@@ -216,26 +215,22 @@ def test_grads_wait_for_the_slowed_gradients_above():
         assert err < 1e-10, f"{key} off by {err:.3e}"
 
 
-def test_graphed_schedule_keeps_the_waits_between_lanes():
-    # Under cuda_graphs=True the schedule above is captured once, each wait becoming an edge of
-    # the graph, and replayed. Blocks 1 and 3 (main lane) are slowed in recomputation and in
-    # the backward of F and G, so recover(2), recover(0), grads(2) and grads(0) on the side
-    # lane would read what those blocks write before it is written, were an edge missing. In a
-    # replay that memory holds the previous step's values, and each step has new data: the
-    # gradients would differ from autograd's. Without the final join the capture itself fails.
+def _graphed_against_autograd(blocks, stored=()):
+    """Train the stack of ``blocks`` under graphed PaReprop beside autograd, new data each step
+    (its warm-up, the capture, two more replays), each step's gradients compared."""
     dim = 32
 
     def model(engine):
         torch.manual_seed(0)
-        slowed = dict(slow=True, slow_recompute=True)
-        net = Model([Block(dim), Block(dim, **slowed), Block(dim), Block(dim, **slowed)])
+        net = Model(blocks())
+        net.stack.store_blocks(stored)
         pareprop.set_engine(net, engine, **(dict(fallback=False, cuda_graphs=True)
                                             if engine == "pareprop" else {}))
         return net.double().cuda()
 
     graphed, reference = model("pareprop"), model("autograd")
     data = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(graphs.WARMUP_STEPS + 3):  # eager steps, the capture, two more replays
+    for step in range(graphs.WARMUP_STEPS + 3):
         x = torch.randn(8, 64, dim, dtype=torch.float64, device="cuda", generator=data)
         got = []
         for net in (graphed, reference):
@@ -247,6 +242,28 @@ def test_graphed_schedule_keeps_the_waits_between_lanes():
             err = relative_error(got[0][name], want)
             assert err < 1e-10, f"step {step}: {name} off by {err:.3e}"
     assert graphed.stack.cuda_graph_status.startswith("captured")
+
+
+def test_graphed_schedule_keeps_the_waits_between_lanes():
+    # Under cuda_graphs=True the schedule above is captured once, each wait becoming an edge of
+    # the graph, and replayed. Blocks 1 and 3 (main lane) are slowed in recomputation and in
+    # the backward of F and G, so recover(2), recover(0), grads(2) and grads(0) on the side
+    # lane would read what those blocks write before it is written, were an edge missing. In a
+    # replay that memory holds the previous step's values, and each step has new data: the
+    # gradients would differ from autograd's. Without the final join the capture itself fails.
+    slowed = dict(slow=True, slow_recompute=True)
+    _graphed_against_autograd(lambda: [Block(32), Block(32, **slowed), Block(32),
+                                       Block(32, **slowed)])
+
+
+def test_graphed_schedule_keeps_lifetimes_beside_stored_blocks():
+    # The lifetime test above, captured: blocks 2 and 3 stored and slowed in backward, block 1
+    # filling freed memory of its lane with NaN in recomputation. In a capture, memory freed on
+    # one lane may be handed to the other lane's later allocations as in eager mode; only the
+    # wait of recover(1) for grads(3) ("recover-after-grads", an edge of the graph) orders the
+    # NaN after the slowed reader.
+    _graphed_against_autograd(lambda: [Block(32), Block(32, poison=64), Block(32, slow=True),
+                                       Block(32, slow=True), Block(32)], stored=(2, 3))
 
 
 def _run_fresh(script):
