@@ -191,6 +191,9 @@ def measure_pair(rev: str, std: str, args: argparse.Namespace, start: float,
     device = torch.device(args.device)
     amp = None if args.amp == "none" else args.amp
     skipped = graphs_run(args)
+    if time.monotonic() - start > args.time_limit:  # not even its models built
+        print(f"  {rev}: skipped (time limit)", flush=True)
+        return
     nets, failed = _build(rev, std, ENGINES + (GRAPHED if skipped is None else ()), args,
                           device)
     optimizers = {k: torch.optim.AdamW(net.parameters(), lr=1e-5)

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -310,3 +311,11 @@ def test_profile_parts_fail_alone(tmp_path, monkeypatch, capsys):
         "overlap": {"error": "RuntimeError: CUDA error: an illegal memory access"},
         "kernels": {"rows": 3}}
     assert "overlap failed: RuntimeError: CUDA error" in capsys.readouterr().out
+
+
+def test_small_batch_builds_nothing_for_a_pair_past_its_time_limit(monkeypatch, capsys):
+    monkeypatch.setattr(small_batch, "_build", lambda *a: pytest.fail("built past the limit"))
+    args = small_batch.parse(SMALL + ["--time-limit", "0"])
+    rows = []
+    small_batch.measure_pair("rev", "std", args, time.monotonic() - 1.0, rows)
+    assert rows == [] and "rev: skipped (time limit)" in capsys.readouterr().out
