@@ -372,3 +372,14 @@ def test_a_control_skips_the_rest_of_a_group_after_its_first_failure(monkeypatch
     conftest.pytest_runtest_logreport(failed("tests/test_cuda_graphs_gpu.py::test_x"))
     with pytest.raises(pytest.skip.Exception, match="test_cuda_graphs_gpu.py::test_x"):
         conftest.pytest_runtest_setup(item("tests/test_pareprop_gpu.py::test_graphed_lanes"))
+
+
+def test_the_controls_read_the_engines_waits_from_its_source():
+    # gpu.sh reads _Lanes.WAITS without importing pareprop (no torch import to wait for)
+    text = open(SCRIPT).read()
+    snippet = text.split("waits=$(python -c '", 1)[1].split("') || return 1", 1)[0]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    from pareprop.engine.lanes import _Lanes
+
+    assert done.stdout.split() == list(_Lanes.WAITS), done.stderr
