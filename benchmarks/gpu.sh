@@ -87,17 +87,18 @@ else
   TOTAL=${GPU_SH_TOTAL_S:-480}
   # Shares (docs/gpu.md, "Time") of the 460 s left after about 10 s for the environment and
   # 10 s for the summary:
-  #   largest 110: five cases of a few steps each (a full-size step at the largest batch takes
-  #     seconds); a case cut short keeps its steps, the least needed case (plain) runs last.
+  #   largest 100: five cases of up to six steps each (a full-size step at the largest batch
+  #     takes 1-3 s, the build a few more: about 60 s in all); a case cut short keeps its
+  #     steps, and the case no target needs (plain) runs last.
   #   small 100: batches 8-32 only (the targets are at 32 and below), eight engines each; what
   #     is not started within 3/4 of it is skipped, what ran is written per batch.
-  #   profile 30: two traced steps and their warm-up.
-  #   tests 115: the last run took 39 s for 25 tests; now 47+, the 21+ graphed ones each
+  #   profile 40: two models built, warmed up and traced, a chrome trace written and read.
+  #   tests 115: the last run took 39 s for 25 tests; now 51+, the 23+ graphed ones each
   #     train two models through a capture, one process per file (a start each).
   #   controls 105: five waits, each a start and its tests until the first failure of the
   #     eager ones and of the graphed ones; one that is not caught runs them all. Tests and
   #     controls come last and also get what the earlier steps leave.
-  PLAN=([largest]=110 [small]=100 [profile]=30 [tests]=115 [controls]=105)
+  PLAN=([largest]=100 [small]=100 [profile]=40 [tests]=115 [controls]=105)
   DEVICE=(--device cuda)
   # Planned on the CPU at the commit that last changed the planner or these models (fake
   # tensors, nothing allocated; 5 minutes for Rev-ViT-B): `pareprop.largest_batch(MODEL,
