@@ -37,6 +37,7 @@
 # SUMMARY_RESERVE seconds stay for the summary. Inside the tests and controls steps each part
 # may use what is left of the step but FLOOR seconds for each part after it.
 # GPU_SH_TOTAL_S=N sets the limit to N seconds instead (a shorter rehearsal; the script's tests).
+# The summary is printed last and kept in OUTDIR/summary.txt.
 # Exit status: 0 when every step ran (a control that is not caught is reported, not a failure
 # of the run), 1 otherwise, 2 for bad usage.
 
@@ -327,6 +328,7 @@ else
 fi
 
 echo
+{
 echo "summary:"
 grep -h 'real/planned\|/ .* checkpointed: real' "$OUT/largest.log" 2>/dev/null | sed 's/^ */  /'
 grep -h 'failed: \|skipped (time limit)' "$OUT/largest.log" 2>/dev/null | sed 's/^ */  /'
@@ -336,4 +338,5 @@ grep -h 'both busy\|copies\|failed: ' "$OUT/profile.log" 2>/dev/null | sed 's/^ 
 sed 's/^/  gpu tests: /' "$OUT/gpu_tests.log" 2>/dev/null
 sed 's/^/  /' "$OUT/controls.log" 2>/dev/null
 echo "total: ${SECONDS} s (limit ${TOTAL} s); results in $OUT"
+} | tee "$OUT/summary.txt"
 exit "$FAILED"

@@ -258,6 +258,8 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     assert all(s[1] == "0" for s in steps)
     lines = proc.stdout.rstrip().splitlines()
     assert "summary:" in lines and lines[-1].startswith("total: ")
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0] == "summary:" and summary == lines[lines.index("summary:"):]
     assert "  gpu tests: tests/test_cuda_graphs_gpu.py: 3 passed in 0.01s" in lines
     assert ("  control join: caught by tests/test_pareprop_gpu.py::test_final_join; under CUDA "
             "graphs by tests/test_cuda_graphs_gpu.py::test_bf16[pareprop]") in lines
