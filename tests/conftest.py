@@ -103,7 +103,8 @@ def pytest_runtest_setup(item):
 
 
 def pytest_runtest_logreport(report):
-    if report.failed and _drop_wait_name() is not None:
+    # a test that failed, not one that could not run (an error in a fixture decides nothing)
+    if report.failed and report.when == "call" and _drop_wait_name() is not None:
         _CAUGHT.setdefault(_control_group(report.nodeid), report.nodeid)
 
 

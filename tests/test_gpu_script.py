@@ -359,14 +359,16 @@ def test_a_control_skips_the_rest_of_a_group_after_its_first_failure(monkeypatch
     def item(nodeid):
         return type("Item", (), {"nodeid": nodeid})()
 
-    def failed(nodeid):
-        return type("Report", (), {"nodeid": nodeid, "failed": True})()
+    def failed(nodeid, when="call"):
+        return type("Report", (), {"nodeid": nodeid, "failed": True, "when": when})()
 
     monkeypatch.setattr(conftest, "_CAUGHT", {})
     monkeypatch.delenv("PAREPROP_DROP_WAIT", raising=False)
     conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
     conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))  # no control
     monkeypatch.setenv("PAREPROP_DROP_WAIT", "join")
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_a", "setup"))
+    conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))  # undecided
     conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
     with pytest.raises(pytest.skip.Exception, match="caught already, by tests/test_pareprop"):
         conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))
