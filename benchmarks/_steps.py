@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import pareprop
 from pareprop import catalog
+from pareprop.bench.measure import _is_oom
 
 
 def build(model: str, engine: str, device: torch.device, img_size: Optional[int] = None,
@@ -66,6 +67,18 @@ def training_step(net: nn.Module, inputs: Tuple[torch.Tensor, ...],
     target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=device)
     F.cross_entropy(logits.float().flatten(0, -2), target.flatten()).backward()
     optimizer.step()
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` says the device ran out of memory: torch's OutOfMemoryError, or cuBLAS
+    failing to allocate its workspace near the cap (a RuntimeError that names no memory)."""
+    return _is_oom(err) or "CUBLAS_STATUS_ALLOC_FAILED" in str(err)
+
+
+def failure(err: BaseException) -> str:
+    """What a script records of an error: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    return type(err).__name__ + (f": {lines[0]}" if lines else "")
 
 
 def synchronize(device: torch.device) -> None:

@@ -15,6 +15,9 @@ dry run reads a trace the same way.
 (engine "autograd"), STANDARD as timm builds it, and for each the operators with the most
 self device time, with the share of copies (``aten::copy_``, ``clone``, ``contiguous``,
 ``_to_copy``): where an equal-batch gap between the two comes from (issue 31 item 4).
+
+Each part fails alone: an error (its type and first line) is printed and recorded in the
+part's place in the JSON, which is written after each part, and the other part runs.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import json
 import os
 import sys
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
-from _steps import build, inputs_for, synchronize, training_step
+from _steps import build, failure, inputs_for, synchronize, training_step
 from torch.profiler import ProfilerActivity, profile
 
 COPIES = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
@@ -166,14 +169,19 @@ def kernel_table(args: argparse.Namespace) -> Dict[str, object]:
 
 def main(argv: List[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    out = {}
-    if args.overlap:
-        out["overlap"] = overlap(args)
-    if args.kernels:
-        out["kernels"] = kernel_table(args)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    out: Dict[str, Any] = {}
+    parts = [(name, run) for name, run, asked in (("overlap", overlap, args.overlap),
+                                                  ("kernels", kernel_table, args.kernels))
+             if asked]
+    for name, run in parts:  # each part fails alone, its error recorded in its place
+        try:
+            out[name] = run(args)
+        except Exception as err:
+            out[name] = dict(error=failure(err))
+            print(f"{name} failed: {failure(err)}", flush=True)
+        if args.json:  # after each part: a step stopped at its allowance keeps the first
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
     return 0
 
 

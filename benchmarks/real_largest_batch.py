@@ -10,9 +10,11 @@ training step (bf16 autocast, cross-entropy, AdamW) per batch size, on a device 
 when it ran (so "within 5%" is a measurement), or a bisection below it when it did not. Every
 step prints its peak (``max_memory_allocated``) and, for chunked stacks, the chunk counts the
 engine chose (the smallest count of each split size: a branch asked to chunk must never run
-whole, issue 31). With ``--trace-oom`` a step that runs out of memory is repeated under
-``torch.cuda.memory._record_memory_history`` and the largest tensors alive when it failed are
-printed with the line that made them.
+whole, issue 31). With ``--trace-oom`` a planned batch that runs out of memory is repeated
+under ``torch.cuda.memory._record_memory_history`` (Python stacks, a bounded history) and the
+largest tensors alive when it failed are printed with the line that made them (NOTE [ Tracing
+only the planned batch ]). The JSON is rewritten after every step and a case that fails is
+recorded with its error, while the next one runs (NOTE [ Each case is written when it ends ]).
 
 ``--device cpu`` (the dry run) caps nothing: it runs the same steps on tiny models, and a
 ``--cap`` there only scales the search (a step "fits" when its measured peak is under it).
@@ -25,18 +27,30 @@ import contextlib
 import gc
 import json
 import math
+import os
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
-from _steps import build, inputs_for, training_step
+from _steps import build, failure, inputs_for, is_oom, training_step
 
 import pareprop
 from pareprop.chunking import Chunking, parse_bytes
 from pareprop.memory import memory_report
 
 GiB = 2**30
+
+# NOTE [ Tracing only the planned batch ]
+# With --trace-oom, a planned batch that runs out of memory is run again under the allocator's
+# memory history, and the largest tensors alive when it failed are printed with the Python line
+# that made them: why the plan was wrong. Only the planned batch: the probe 5% above a plan that
+# fits is expected to fail, and the bisection's steps below a failed plan add nothing to the
+# first trace. Python frames only (``stacks="python"``): symbolising C++ frames costs seconds a
+# step on a large model and names no line of ours. The blocks alive and the frames that made
+# them are kept per block whatever the history's length, so the event ring buffer is bounded
+# (TRACE_ENTRIES): one step of a large chunked model makes tens of thousands of events.
+TRACE_ENTRIES = 20_000
 
 
 def parse_cases(argv: List[str]) -> argparse.Namespace:
@@ -137,8 +151,9 @@ class Case:
             **({"depth": spec.depth} if spec.depth else {}))
         return batch
 
-    def step(self, batch: int) -> Dict[str, Any]:
-        """One training step at ``batch``: its peak, the chunk counts, or out of memory."""
+    def step(self, batch: int, on_oom: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+        """One training step at ``batch``: its peak, the chunk counts, or out of memory.
+        ``on_oom`` is called when it runs out, while the failed step's tensors are alive."""
         gc.collect()
         record: Dict[str, Any] = dict(batch=batch)
         inputs = None
@@ -157,8 +172,12 @@ class Case:
                     peak = memory_report(self.model, inputs, amp=amp).peak
             record.update(peak_gib=round(peak / GiB, 3), chunks=dict(sorted(counts.items())))
             record["fits"] = self.device.type == "cuda" or peak <= self.args.cap_bytes
-        except torch.cuda.OutOfMemoryError:
+        except Exception as err:
+            if not is_oom(err):
+                raise
             record.update(fits=False, peak_gib=None)
+            if on_oom is not None:  # the traceback still holds the step's frames
+                on_oom()
         finally:
             del inputs
             self.optimizer.zero_grad(set_to_none=True)
@@ -168,15 +187,25 @@ class Case:
         return record
 
     def trace(self, batch: int) -> List[str]:
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        """The step at ``batch`` again under the allocator's memory history: the largest
+        tensors alive when it ran out, each with the Python line that made it (NOTE [ Tracing
+        only the planned batch ]); empty when it ran this time."""
+        alive: List[str] = []
+
+        def snapshot() -> None:
+            alive.extend(largest_alive(torch.cuda.memory._snapshot()))
+
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, stacks="python")
         try:
-            self.step(batch)
-            return largest_alive(torch.cuda.memory._snapshot())
+            self.step(batch, on_oom=snapshot)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
+        return alive
 
-    def search(self) -> Dict[str, Any]:
-        """From the planned batch: 5% more when it fits, else bisect below it."""
+    def search(self, on_step: Optional[Callable[[List[Dict[str, Any]]], None]] = None,
+               ) -> Dict[str, Any]:
+        """From the planned batch: 5% more when it fits, else bisect below it. ``on_step``
+        gets the steps so far after each one (the caller writes them down)."""
         planned, steps = self.planned, []
         ok, bad = 0, None
         batch = planned
@@ -190,10 +219,12 @@ class Case:
                 ok = max(ok, batch)
             else:
                 bad = batch if bad is None else min(bad, batch)
-                if self.args.trace_oom and self.device.type == "cuda" and "trace" not in steps[0]:
-                    steps[0]["trace"] = self.trace(batch)
-                    for line in steps[0]["trace"]:
+                if len(steps) == 1 and self.args.trace_oom and self.device.type == "cuda":
+                    rec["trace"] = self.trace(batch)  # the plan itself failed
+                    for line in rec["trace"]:
                         print(f"      alive at OOM: {line}", flush=True)
+            if on_step is not None:
+                on_step(steps)
             if bad is None:
                 if batch >= math.ceil(planned * 1.05):
                     break
@@ -225,20 +256,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         label = f"{spec.model} {spec.engine}" + (f" chunks {spec.chunk_bytes}"
                                                  if spec.chunk_bytes else "") + \
             (" +grad-ckpt" if spec.grad_checkpointing else "")
+        head = dict(model=spec.model, engine=spec.engine, chunk_bytes=spec.chunk_bytes,
+                    grad_checkpointing=spec.grad_checkpointing)
         if time.monotonic() - start > args.time_limit:
             print(f"  {label}: skipped (time limit)", flush=True)
+            results.append(dict(head, skipped="time limit"))
+            write(args, results)
             continue
-        case = Case(spec, args)
-        print(f"  {label}: planned {case.planned}", flush=True)
-        result = case.search()
-        del case
+        try:
+            results.append(run_case(spec, args, label, head, results))
+        except Exception as err:  # NOTE [ Each case is written when it ends ]
+            results.append(dict(head, error=failure(err)))
+            print(f"  {label}: failed: {failure(err)}", flush=True)
+        write(args, results)
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        results.append(result)
-        print(f"  {label}: real {result['real']} (bracket {result['bracket']}), planned "
-              f"{result['planned']}: real/planned {result['real_over_planned']}", flush=True)
-    by_key = {(r["model"], r["engine"]): r for r in results}
+    by_key = {(r["model"], r["engine"]): r for r in results if "real" in r}
     for rev, base in (("rev_vit_base_patch16_224", "vit_base_patch16_224"),
                       ("rev_swin_tiny", "swin_tiny_patch4_window7_224")):
         r = next((v for (m, _), v in by_key.items() if m == rev), None)
@@ -246,10 +280,39 @@ def main(argv: Optional[List[str]] = None) -> int:
         if r and b and b["real"]:
             print(f"  {rev} / {base} checkpointed: real {r['real'] / b['real']:.2f}x, planned "
                   f"{r['planned'] / b['planned']:.2f}x", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
     return 0
+
+
+# NOTE [ Each case is written when it ends ]
+# The device run gives this step a few minutes, and a timeout there must not take the cases
+# already measured with it: the JSON is rewritten after every step of every case, the case in
+# progress with ``finished: false`` and the steps it has, and a case that raises (a build that
+# fails, an error that is not out of memory) is recorded with its error (type and first line)
+# while the next case runs.
+
+
+def run_case(spec: argparse.Namespace, args: argparse.Namespace, label: str,
+             head: Dict[str, Any], done: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One case, searched from its planned batch; the JSON (``done`` and this case so far)
+    rewritten after each step."""
+    case = Case(spec, args)
+    planned = case.planned
+    print(f"  {label}: planned {planned}", flush=True)
+
+    def progress(steps: List[Dict[str, Any]]) -> None:
+        write(args, done + [dict(head, planned=planned, finished=False, steps=steps)])
+
+    result = case.search(on_step=progress)
+    print(f"  {label}: real {result['real']} (bracket {result['bracket']}), planned "
+          f"{result['planned']}: real/planned {result['real_over_planned']}", flush=True)
+    return dict(result, finished=True)
+
+
+def write(args: argparse.Namespace, results: List[Dict[str, Any]]) -> None:
+    if args.json:
+        with open(args.json + ".tmp", "w") as fh:  # a kill mid-write leaves the last one
+            json.dump(results, fh, indent=1)
+        os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Engine checks that need a CUDA device; they skip cleanly without one.
 
-Run on a GPU machine with ``python -m pytest -m gpu -q``; ``benchmarks/gpu.sh`` runs them
-twice, the second time under ``TORCH_CUDA_SANITIZER=1`` (torch's CUDA stream sanitizer, which
-fails a test on any kernel that touches a tensor another stream may still be using).
+Run on a GPU machine with ``python -m pytest -m gpu -q``; ``benchmarks/gpu.sh`` runs them, and
+runs the slowed-block tests again once per cross-stream wait of PaReprop's schedule with that
+wait dropped (its negative controls, docs/gpu.md). It runs no stream sanitizer: torch's
+(``TORCH_CUDA_SANITIZER=1``) forgets a tensor's accesses when its memory is freed, so it cannot
+see the lifetime races the waits exist for; the tests below can still be run under it by hand
+(``UNDER_SANITIZER`` skips those that time kernels).
 
 NOTE [ Tests that can catch a race ]
     Kernels of tiny blocks finish in microseconds, so a missing cross-stream wait would still

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pareprop.bench import stop as bench_stop
 
@@ -174,7 +175,21 @@ case "$1" in
       trap '' TERM  # ignores the polite stop: only SIGKILL ends it
       sleep 100
     fi
-    echo "3 passed in 0.01s" ;;
+    if [[ $FAKE_CUDA == no ]]; then
+      echo "18 skipped in 0.01s"
+      exit 0
+    fi
+    case ${PAREPROP_DROP_WAIT:-} in
+      join)  # caught
+        echo "FAILED tests/test_pareprop_gpu.py::test_final_join - AssertionError: off by nan"
+        echo "FAILED tests/test_cuda_graphs_gpu.py::test_bf16[pareprop] - RuntimeError: x"
+        echo "PAREPROP_DROP_WAIT=join: dropped 2 times"
+        echo "2 failed, 2 passed, 9 skipped in 0.01s" ;;
+      recover-after-grads)  # not caught, never reached
+        echo "PAREPROP_DROP_WAIT=recover-after-grads: dropped 0 times"
+        echo "3 passed in 0.01s" ;;
+      *) echo "3 passed in 0.01s" ;;
+    esac ;;
   *) echo "ran $1" ;;
 esac
 """
@@ -216,24 +231,43 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     assert "--case rev_vit_base_patch16_224 reversible 9241 --chunk-bytes 1GiB" in largest
     assert "--case vit_base_patch16_224 checkpointed 2767" in largest
     assert "--case swin_tiny_patch4_window7_224 checkpointed" in largest
+    assert largest.index("--case vit_base_patch16_224 plain") > largest.index("swin_tiny")
     assert "--pair rev_vit_large_patch16_224 vit_large_patch16_224" in small
-    assert "--batch-sizes 8 16 32 64" in small
-    assert "--graphs" in small  # every engine with and without CUDA graphs
-    limit = int(small.split("--time-limit ")[1].split()[0])  # 3/4 of the step's allowance
-    assert 0 < limit < 480 and "--time-limit" not in largest + profile
+    assert "--batch-sizes 8 16 32 --graphs" in small  # the targets' range, with CUDA graphs
+    for script in (largest, small):  # 3/4 of the step's allowance
+        limit = int(script.split("--time-limit ")[1].split()[0])
+        assert 0 < limit < 480
+    assert "--time-limit" not in profile
     assert "--overlap rev_vit_large_patch16_224 32" in profile
     pytest_calls = [c for c in calls if c.startswith("-m pytest")]
-    assert "-m gpu" in pytest_calls[0] and pytest_calls[0].endswith("|DROP=")
-    # one control per wait the engine names (the fake python names two), each dropping it
-    assert [c.rsplit("DROP=", 1)[1] for c in pytest_calls[1:]] == ["recover-after-grads", "join"]
-    assert all("tests/test_pareprop_gpu.py" in c for c in pytest_calls[1:])
+    tests = [c for c in pytest_calls if c.endswith("|DROP=")]
+    controls = [c for c in pytest_calls if not c.endswith("|DROP=")]
+    # one process per GPU test file, the lane tests first, the graphed ones last
+    assert all("-m gpu" in c for c in pytest_calls)
+    assert [c.split("|")[0].split()[-1] for c in tests] == [
+        "tests/test_pareprop_gpu.py", "tests/test_engine_gpu.py", "tests/test_cuda_graphs_gpu.py"]
+    assert pytest_calls[:3] == tests
+    # one control per wait the engine names (the fake python names two), each dropping it,
+    # each running the lane tests, the slowed engine tests and the graphed PaReprop tests
+    assert [c.rsplit("DROP=", 1)[1] for c in controls] == ["recover-after-grads", "join"]
+    for c in controls:
+        assert ("tests/test_pareprop_gpu.py tests/test_engine_gpu.py::test_slowed_blocks_give"
+                "_autograd_gradients tests/test_cuda_graphs_gpu.py -k pareprop and not warn") in c
     steps = _steps(out)
     assert [s[0] for s in steps] == ["largest", "small", "profile", "tests", "controls"]
     assert all(s[1] == "0" for s in steps)
     lines = proc.stdout.rstrip().splitlines()
     assert "summary:" in lines and lines[-1].startswith("total: ")
-    # the fake tests "passed" with each wait dropped: the script says the control failed
-    assert "control join: NOT caught (the tests passed without this wait)" in proc.stdout
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0] == "summary:" and summary == lines[lines.index("summary:"):]
+    assert "  gpu tests: tests/test_cuda_graphs_gpu.py: 3 passed in 0.01s" in lines
+    assert ("  control join: caught by tests/test_pareprop_gpu.py::test_final_join; under CUDA "
+            "graphs by tests/test_cuda_graphs_gpu.py::test_bf16[pareprop]") in lines
+    # a control the tests do not catch says whether they reached the wait, and names the test
+    # built to catch it
+    assert ("  control recover-after-grads: NOT caught (the tests passed; no test reached the "
+            "wait); the test built to catch it: test_lifetime_guard_keeps_memory_a_slowed_"
+            "reader_still_needs") in lines
 
 
 def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
@@ -244,6 +278,13 @@ def test_dry_run_uses_the_cpu_and_tiny_models(tmp_path):
     assert len(scripted) == 3 and all("--device cpu" in c for c in scripted)
     assert "rev_vit_tiny_patch4_32" in scripted[0] and "--img-size 32" in scripted[0]
     assert "--graphs" in scripted[1]  # small_batch.py says itself that it ran none on the CPU
+    # without CUDA the tests skip: one control shows it, the others start no pytest
+    controls = [c for c in calls if c.startswith("-m pytest") and not c.endswith("|DROP=")]
+    assert [c.rsplit("DROP=", 1)[1] for c in controls] == ["recover-after-grads"]
+    assert ("control recover-after-grads: not run (the GPU tests skipped: no CUDA device)"
+            in proc.stdout)
+    assert "control join: not run (the GPU tests skip without a CUDA device, as above)" in (
+        proc.stdout)
 
 
 def test_gpu_mode_without_cuda_and_bad_usage_are_refused(tmp_path):
@@ -263,9 +304,86 @@ def test_a_step_that_ignores_sigterm_is_killed_inside_its_allowance(tmp_path):
     took = time.monotonic() - t0
     steps = _steps(out)
     # 100 s - 10 s for the summary; the scripts before return at once, so the tests get
-    # 50 / (50 + 110) of 90 s: 28 s, SIGKILL included
-    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 29
+    # 115 / (115 + 105) of 90 s: 47 s, SIGKILL included, shared by three files that each hang
+    assert steps[3][:2] == ["tests", "137"] and int(steps[3][2]) <= 48
     assert [s[1] for s in steps[:3]] == ["0"] * 3
+    files = (out / "gpu_tests.log").read_text().splitlines()
+    assert len(files) == 3 and all(": timed out after " in f for f in files), files
     assert steps[4][0] == "controls" and steps[4][1] == "0"  # the later step still ran
     assert proc.returncode == 1
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 45
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("total: ") and took < 65
+
+
+# ---------------------------------------------------------------------------------------------
+# tests/conftest.py: PAREPROP_DROP_WAIT, the controls' switch
+
+def test_dropping_a_wait_skips_only_that_wait_and_counts_it(monkeypatch):
+    import conftest
+    from pareprop.engine.lanes import _Lanes
+
+    waited = []
+    monkeypatch.setattr(_Lanes, "wait", lambda self, i, event, n: waited.append(n))
+    monkeypatch.setattr(conftest, "_DROPPED", [0])
+    lanes = _Lanes(torch.device("cpu"), [False, False])
+    lanes.enabled = True  # as on CUDA; the stand-in wait above touches no stream
+    with conftest._dropping("recover-after-recover"):
+        lanes.wait(0, object(), "recover-after-recover")  # dropped
+        lanes.wait(0, None, "recover-after-recover")  # no event: nothing to drop
+        lanes.wait(0, object(), "grads-after-grads")  # another wait: kept
+    assert waited == ["grads-after-grads"] and conftest._DROPPED == [1]
+    lanes.wait(0, object(), "recover-after-recover")  # after the block: waits again
+    assert waited[-1] == "recover-after-recover"
+    with conftest._dropping("join"):
+        lanes.join()
+    assert conftest._DROPPED == [2]
+
+
+def test_drop_wait_names_are_checked_and_the_count_is_printed(monkeypatch):
+    import conftest
+
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "no-such-wait")
+    with pytest.raises(pytest.UsageError, match="PAREPROP_DROP_WAIT: expected one of "
+                                                "recover-after-recover, "):
+        conftest._drop_wait_name()
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "join")
+    monkeypatch.setattr(conftest, "_DROPPED", [3])
+    lines = []
+    conftest.pytest_terminal_summary(type("Reporter", (), {"write_line": lambda self, line:
+                                                           lines.append(line)})())
+    assert lines == ["PAREPROP_DROP_WAIT=join: dropped 3 times"]
+
+
+def test_a_control_skips_the_rest_of_a_group_after_its_first_failure(monkeypatch):
+    import conftest
+
+    def item(nodeid):
+        return type("Item", (), {"nodeid": nodeid})()
+
+    def failed(nodeid, when="call"):
+        return type("Report", (), {"nodeid": nodeid, "failed": True, "when": when})()
+
+    monkeypatch.setattr(conftest, "_CAUGHT", {})
+    monkeypatch.delenv("PAREPROP_DROP_WAIT", raising=False)
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
+    conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))  # no control
+    monkeypatch.setenv("PAREPROP_DROP_WAIT", "join")
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_a", "setup"))
+    conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))  # undecided
+    conftest.pytest_runtest_logreport(failed("tests/test_pareprop_gpu.py::test_join"))
+    with pytest.raises(pytest.skip.Exception, match="caught already, by tests/test_pareprop"):
+        conftest.pytest_runtest_setup(item("tests/test_engine_gpu.py::test_slowed"))
+    conftest.pytest_runtest_setup(item("tests/test_cuda_graphs_gpu.py::test_x"))  # runs
+    conftest.pytest_runtest_logreport(failed("tests/test_cuda_graphs_gpu.py::test_x"))
+    with pytest.raises(pytest.skip.Exception, match="test_cuda_graphs_gpu.py::test_x"):
+        conftest.pytest_runtest_setup(item("tests/test_pareprop_gpu.py::test_graphed_lanes"))
+
+
+def test_the_controls_read_the_engines_waits_from_its_source():
+    # gpu.sh reads _Lanes.WAITS without importing pareprop (no torch import to wait for)
+    text = open(SCRIPT).read()
+    snippet = text.split("waits=$(python -c '", 1)[1].split("') || return 1", 1)[0]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    from pareprop.engine.lanes import _Lanes
+
+    assert done.stdout.split() == list(_Lanes.WAITS), done.stderr

@@ -1,12 +1,26 @@
 """PaReprop's lanes on a CUDA device; skipped without one (``python -m pytest -m gpu``, which
-``benchmarks/gpu.sh`` runs, once under TORCH_CUDA_SANITIZER=1).
+``benchmarks/gpu.sh`` runs, and again once per cross-stream wait with that wait dropped, its
+negative controls: docs/gpu.md, "Negative controls").
 
-* a lifetime test that fails when the engine's lifetime guard is missing: a reader slowed on
-  one stream, the memory of what it reads freed and refilled with NaN on the other stream;
-* no "AccumulateGrad node's stream does not match" warning from PaReprop's backward, checked
-  in fresh processes against a control that shows this torch does warn;
-* the fallback to Reprop deciding on the device, with exact gradients;
-* the FSDP prefetch with a slowed lane and poisoned memory (two GPUs; skipped with fewer).
+Each of the schedule's waits (``_Lanes.WAITS``) has a test built to fail without it:
+
+* ``recover-after-recover``: recover(k-1) reads the inputs recover(k) rebuilds on the other
+  lane; a recomputation slowed on the producing lane, its outputs in memory filled with NaN;
+* ``recover-after-grads``: a lifetime test, a reader slowed on one stream, the memory of what
+  it reads freed and refilled with NaN on the other stream;
+* ``join``: block 0 slowed on the side lane, its gradients read on the main stream;
+* ``grads-after-grads`` and ``bottom-grads-after-grads``: grads(k) reads the dY that grads(k+1)
+  writes on the other lane; gradients slowed on the producing lane, written into NaN.
+
+The same schedule captured as CUDA graphs, its waits now edges of a graph: blocks slowed in
+both recomputation and backward, and the lifetime test's stored blocks. (The slowed blocks of
+tests/test_engine_gpu.py, NOTE [ Tests that can catch a race ], may catch any of them too, but
+their recover and grads are slowed alike, so which lane is late is left to chance.)
+
+Beside them: no "AccumulateGrad node's stream does not match" warning from PaReprop's backward,
+checked in fresh processes against a control that shows this torch does warn; the fallback to
+Reprop deciding on the device, with exact gradients; the FSDP prefetch with a slowed lane and
+poisoned memory (two GPUs; skipped with fewer).
 """
 
 import logging
@@ -22,7 +36,7 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import fsdp
-from pareprop.engine import MAIN_LANE, SIDE_LANE
+from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane, graphs
 from pareprop.engine.lanes import _block_lanes, _side_stream
 from pareprop.testing import engine_errors, relative_error
 
@@ -51,24 +65,32 @@ class _SleepBackward(torch.autograd.Function):
 class Block(pareprop.ReversibleBlock):
     """LayerNorm and Linear in F and G. ``slow``: the backward of F and G first sleeps, so the
     gradient flowing in is read late. ``poison``: in recomputation (grad mode on), F first
-    fills that many freed stream-sized blocks of its stream's allocator pool with NaN."""
+    fills that many freed stream-sized blocks of its stream's allocator pool with NaN.
+    ``slow_recompute``: F and G first sleep when PaReprop's backward recomputes them (on a
+    lane), so what recover rebuilds is written late."""
 
-    def __init__(self, dim, slow=False, poison=0):
+    def __init__(self, dim, slow=False, poison=0, slow_recompute=False):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.proj1, self.proj2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.slow, self.poison = slow, poison
+        self.slow, self.poison, self.slow_recompute = slow, poison, slow_recompute
 
     def _late(self, x):
         return _SleepBackward.apply(x, SLEEP_CYCLES) if self.slow else x
+
+    def _wait_if_recomputed(self):
+        if self.slow_recompute and current_lane() is not None:
+            torch.cuda._sleep(SLEEP_CYCLES)
 
     def f(self, x, **kwargs):
         if self.poison and torch.is_grad_enabled():
             junk = [torch.full_like(x, float("nan")) for _ in range(self.poison)]
             del junk  # back to the pool of the current stream, NaN inside
+        self._wait_if_recomputed()
         return self._late(self.proj1(self.norm1(x)))
 
     def g(self, x, **kwargs):
+        self._wait_if_recomputed()
         return self._late(self.proj2(self.norm2(x)))
 
     def f_split(self, x, **kwargs):  # declared, and None: whole branches, chunked schedule
@@ -131,6 +153,117 @@ def test_final_join_waits_for_block_0_on_the_side_lane():
         torch.cuda.synchronize()
         key, err = max(errors.items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
         assert err < 1e-10, f"{key} off by {err:.3e}"
+
+
+def _nan_filled_loss(outputs):
+    # After forward, before backward allocates what it rebuilds: every free block of the main
+    # stream's pool that could hold a stream tensor is filled with NaN.
+    (out,) = outputs
+    stream_shape = (*out.shape[:-1], out.shape[-1] // 2)  # the model concatenates Y1, Y2
+    junk = [torch.full(stream_shape, float("nan"), dtype=out.dtype, device=out.device)
+            for _ in range(64)]
+    del junk
+    gen = torch.Generator().manual_seed(1)
+    return (out * torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)).sum()
+
+
+def test_recover_waits_for_the_slowed_recomputation_above():
+    # recover(k-1) starts from the X1, X2 that recover(k) rebuilds, on the other lane: only its
+    # wait for recover(k) ("recover-after-recover") orders the read after the write. Nothing
+    # stored at depth 4: lanes [side, main, side, main]. Blocks 3 and 1 (main lane) sleep
+    # before each recomputed F and G, so their rebuilt X is written about 4 ms after the host
+    # queued it, in memory the loss filled with NaN; recover(2) and recover(0) on the side
+    # lane have nothing else to wait for (recover(2): only the side stream's start, after
+    # forward; recover(0): grads(2), queued on main before recover(1)). Without the wait they
+    # read NaN, and every gradient below block 3 comes out NaN.
+    torch.manual_seed(0)
+    dim = 32
+    blocks = [Block(dim), Block(dim, slow_recompute=True), Block(dim),
+              Block(dim, slow_recompute=True)]
+    assert _block_lanes([False] * 4) == [SIDE_LANE, MAIN_LANE, SIDE_LANE, MAIN_LANE]
+    model = Model(blocks).double().cuda()
+    pareprop.set_engine(model, "pareprop", fallback=False)
+    x = torch.randn(8, 64, dim, dtype=torch.float64, device="cuda")
+    for _ in range(2):  # the second step reuses the pools the first one filled
+        errors = engine_errors(model, x, engines=("pareprop",),
+                               loss_fn=_nan_filled_loss)["pareprop"]
+        torch.cuda.synchronize()
+        key, err = max(errors.items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
+        assert err < 1e-10, f"{key} off by {err:.3e}"
+
+
+def test_grads_wait_for_the_slowed_gradients_above():
+    # grads(k) starts from the dY that grads(k+1) writes, on the other lane: only its wait for
+    # grads(k+1) ("grads-after-grads"; for block 0, "bottom-grads-after-grads") orders the read
+    # after the write. Nothing stored at depth 4: lanes [side, main, side, main]. Blocks 3 and
+    # 1 (main lane) sleep first in the backward of F and G, so the dY they hand down is written
+    # about 4 ms after the host queued it, in memory the loss filled with NaN; grads(2) and
+    # grads(0) on the side lane follow recover(2) and recover(0), which are not slowed. Without
+    # the wait they read NaN, and the gradients of blocks 0-2 and of the input come out NaN.
+    torch.manual_seed(0)
+    dim = 32
+    blocks = [Block(dim), Block(dim, slow=True), Block(dim), Block(dim, slow=True)]
+    assert _block_lanes([False] * 4) == [SIDE_LANE, MAIN_LANE, SIDE_LANE, MAIN_LANE]
+    model = Model(blocks).double().cuda()
+    pareprop.set_engine(model, "pareprop", fallback=False)
+    x = torch.randn(8, 64, dim, dtype=torch.float64, device="cuda")
+    for _ in range(2):
+        errors = engine_errors(model, x, engines=("pareprop",),
+                               loss_fn=_nan_filled_loss)["pareprop"]
+        torch.cuda.synchronize()
+        key, err = max(errors.items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
+        assert err < 1e-10, f"{key} off by {err:.3e}"
+
+
+def _graphed_against_autograd(blocks, stored=()):
+    """Train the stack of ``blocks`` under graphed PaReprop beside autograd, new data each step
+    (its warm-up, the capture, two more replays), each step's gradients compared."""
+    dim = 32
+
+    def model(engine):
+        torch.manual_seed(0)
+        net = Model(blocks())
+        net.stack.store_blocks(stored)
+        pareprop.set_engine(net, engine, **(dict(fallback=False, cuda_graphs=True)
+                                            if engine == "pareprop" else {}))
+        return net.double().cuda()
+
+    graphed, reference = model("pareprop"), model("autograd")
+    data = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(graphs.WARMUP_STEPS + 3):
+        x = torch.randn(8, 64, dim, dtype=torch.float64, device="cuda", generator=data)
+        got = []
+        for net in (graphed, reference):
+            net.zero_grad(set_to_none=True)
+            net(x).pow(2).sum().backward()
+            got.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        torch.cuda.synchronize()
+        for name, want in got[1].items():
+            err = relative_error(got[0][name], want)
+            assert err < 1e-10, f"step {step}: {name} off by {err:.3e}"
+    assert graphed.stack.cuda_graph_status.startswith("captured")
+
+
+def test_graphed_schedule_keeps_the_waits_between_lanes():
+    # Under cuda_graphs=True the schedule above is captured once, each wait becoming an edge of
+    # the graph, and replayed. Blocks 1 and 3 (main lane) are slowed in recomputation and in
+    # the backward of F and G, so recover(2), recover(0), grads(2) and grads(0) on the side
+    # lane would read what those blocks write before it is written, were an edge missing. In a
+    # replay that memory holds the previous step's values, and each step has new data: the
+    # gradients would differ from autograd's. Without the final join the capture itself fails.
+    slowed = dict(slow=True, slow_recompute=True)
+    _graphed_against_autograd(lambda: [Block(32), Block(32, **slowed), Block(32),
+                                       Block(32, **slowed)])
+
+
+def test_graphed_schedule_keeps_lifetimes_beside_stored_blocks():
+    # The lifetime test above, captured: blocks 2 and 3 stored and slowed in backward, block 1
+    # filling freed memory of its lane with NaN in recomputation. In a capture, memory freed on
+    # one lane may be handed to the other lane's later allocations as in eager mode; only the
+    # wait of recover(1) for grads(3) ("recover-after-grads", an edge of the graph) orders the
+    # NaN after the slowed reader.
+    _graphed_against_autograd(lambda: [Block(32), Block(32, poison=64), Block(32, slow=True),
+                                       Block(32, slow=True), Block(32)], stored=(2, 3))
 
 
 def _run_fresh(script):
