@@ -40,7 +40,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import load_source_weights, load_state
 from pareprop.engine import ReversibleStack
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
@@ -359,11 +359,9 @@ def load_torchvision_pretrained(model: nn.Module, source: str,
             "state dict) with --pretrained-file PATH, or start from random weights with "
             "--from-scratch"
         ) from None
-    own = model.state_dict()
-    for key in ("head.weight", "head.bias"):
-        if key in state and key in own and state[key].shape != own[key].shape:
-            del state[key]
-    model.load_state_dict(state, strict=False)
+    load_state(model, state, head=("head.weight", "head.bias"),
+               where=f"torchvision's {source} {weights} weights",
+               hint="give --model-arg sizes only with --pretrained-file or --from-scratch")
 
 
 @register_model(timm=False)

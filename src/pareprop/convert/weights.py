@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pareprop.models.published import PretrainedError, read_state
 
-__all__ = ["load_source_weights"]
+__all__ = ["load_source_weights", "load_state"]
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -52,11 +52,19 @@ def load_source_weights(
         except (RuntimeError, ValueError, KeyError, IndexError, AttributeError) as e:
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise PretrainedError(f"{os.fspath(path)!r} does not fit {name}: {first}") from None
+    load_state(model, state, head, where=repr(os.fspath(path)), hint=hint)
+
+
+def load_state(model: nn.Module, state: StateDict, head: Sequence[str], where: str,
+               hint: str = "") -> None:
+    """Copy ``state`` into ``model`` once every tensor is checked: the ``head`` tensors of
+    another shape are left out, anything else missing, unexpected or misshapen raises
+    :class:`PretrainedError` (saying ``where`` the state came from) and copies nothing."""
+    name = type(model).__name__
     own = model.state_dict()
     other_head = [k for k in head
                   if k in state and k in own and state[k].shape != own[k].shape]
-    for key in other_head:
-        del state[key]
+    state = {k: v for k, v in state.items() if k not in other_head}
     missing = sorted(set(own) - set(state) - set(other_head))
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
@@ -65,7 +73,6 @@ def load_source_weights(
         what = [f"{len(v)} {label}, first {v[0]}" for label, v in
                 (("missing", missing), ("unexpected", unexpected), ("misshapen", shapes)) if v]
         raise PretrainedError(
-            f"{os.fspath(path)!r} does not fit {name}: {'; '.join(what)}"
-            + (f"; {hint}" if hint else "")
+            f"{where} does not fit {name}: {'; '.join(what)}" + (f"; {hint}" if hint else "")
         )
     model.load_state_dict(state, strict=False)
