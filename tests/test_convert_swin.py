@@ -189,18 +189,22 @@ def test_chunked_branches_and_checkpointed_merging_match_autograd(kind, monkeypa
     assert {size for size, _ in seen} == {3, 8, 4}
 
 
-def test_merging_is_checkpointed_under_set_grad_checkpointing():
-    # Checkpointed, patch merging keeps its input only (which the stack before keeps anyway),
-    # not its norm's input and its reduction's input: the step keeps less.
+def test_stem_and_merging_are_checkpointed_under_set_grad_checkpointing():
+    # Checkpointed, the patch embedding keeps the images and patch merging its input (the
+    # stack before keeps it anyway), not their norms' and projections' inputs: each alone
+    # makes the step keep less.
     x = _images(2)
-    kept = {}
-    for enable in (False, True):
-        model = pareprop.convert(_timm(), tolerance=None).train()
-        pareprop.set_coupling(model, 0.0, 1.0)
-        model.set_grad_checkpointing(enable)
-        assert all(stage.grad_checkpointing == enable for stage in model.layers)
-        kept[enable] = pareprop.activation_bytes(model, x)
-    assert kept[True] < kept[False]
+    model = pareprop.convert(_timm(), tolerance=None).train()
+    pareprop.set_coupling(model, 0.0, 1.0)
+    model.set_grad_checkpointing(True)
+    assert model.grad_checkpointing and all(stage.grad_checkpointing for stage in model.layers)
+    both = pareprop.activation_bytes(model, x)
+    model.grad_checkpointing = False  # the stem only
+    assert both < pareprop.activation_bytes(model, x)
+    model.grad_checkpointing = True
+    for stage in model.layers:  # the merging only
+        stage.grad_checkpointing = False
+    assert both < pareprop.activation_bytes(model, x)
 
 
 def test_schedule_and_precision_guard_act_on_every_stack():

@@ -148,14 +148,25 @@ def test_chunked_branches_and_checkpointed_mergings_match_autograd(attention_dro
     assert {size for size, _ in seen} == ({4} if attention_dropout else {3, 4})
 
 
-def test_mergings_are_checkpointed_under_set_grad_checkpointing():
+def test_stem_and_mergings_are_checkpointed_under_set_grad_checkpointing(monkeypatch):
+    from pareprop.convert import swin3d
+
     x = _clips(2)
-    kept = {}
+    kept, seen = {}, []
+    real = swin3d.maybe_checkpoint
+
+    def spy(module, x, enabled, *args):
+        seen.append((type(module).__name__, enabled))
+        return real(module, x, enabled, *args)
+
+    monkeypatch.setattr(swin3d, "maybe_checkpoint", spy)
     for enable in (False, True):
         model = pareprop.convert(_torchvision(), tolerance=None).train()
         pareprop.set_coupling(model, 0.0, 1.0)
         model.set_grad_checkpointing(enable)
+        seen.clear()
         kept[enable] = pareprop.activation_bytes(model, x)
+        assert seen == [("PatchEmbed3d", enable), ("PatchMerging", enable)]
     assert kept[True] < kept[False]
 
 
