@@ -384,3 +384,9 @@ def test_convert_from_names_a_timm_swin():
     assert converted_model_name("vit_small_patch16_224") == "converted_vit"
     with pytest.raises(ValueError, match="names no model pareprop converts"):
         converted_model_name("swinv2_cr_tiny_224")
+
+
+def test_features_only_by_name():
+    net = pareprop.create_model("converted_swin", features_only=True, tolerance=None, **TINY)
+    assert net.feature_info.channels() == [16, 32] and net.feature_info.reduction() == [4, 8]
+    assert [f.shape for f in net(_images())] == [(2, 16, 8, 8), (2, 32, 4, 4)]

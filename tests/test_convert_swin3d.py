@@ -305,3 +305,9 @@ def test_convert_from_names_a_torchvision_video_swin():
     cfg = resolve_config(["--convert-from", "swin3d_t", "--model-arg", "depths=[2,2]"])
     assert cfg.model == "converted_swin3d"
     assert cfg.model_kwargs == {"depths": [2, 2], "source": "swin3d_t"}
+
+
+def test_features_only_by_name():
+    net = pareprop.create_model("converted_swin3d", features_only=True, tolerance=None, **NAMED)
+    assert net.feature_info.channels() == [16, 32] and net.feature_info.reduction() == [4, 8]
+    assert [f.shape for f in net(_clips())] == [(2, 16, 4, 8, 8), (2, 32, 4, 4, 4)]
