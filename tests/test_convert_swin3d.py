@@ -166,7 +166,7 @@ def test_stem_and_mergings_are_checkpointed_under_set_grad_checkpointing(monkeyp
         model.set_grad_checkpointing(enable)
         seen.clear()
         kept[enable] = pareprop.activation_bytes(model, x)
-        assert seen == [("PatchEmbed3d", enable), ("PatchMerging", enable)]
+        assert seen == [("PatchEmbed3d", enable), ("MergingInChunks", enable)]
     assert kept[True] < kept[False]
 
 

@@ -59,6 +59,7 @@ from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [
     "ConvertedSwin", "ConvertedSwinBlock", "ConvertedSwinStage", "ConvertedSwinV2Block",
+    "MergingInChunks",
     "check_convertible", "converted_swin", "load_swin_weights",
 ]
 
@@ -163,6 +164,28 @@ _FAMILIES: Dict[type, Tuple[type, type, Type[_SwinBlockBase]]] = {
 }
 
 
+class MergingInChunks:
+    """A source's patch merging as a block :func:`maybe_checkpoint` checkpoints in chunks of
+    samples (NOTE [ Checkpointed blocks in chunks ] in pareprop/layers/recompute.py): merging
+    pads, regroups 2x2 neighbours, normalises and projects each sample alone and draws
+    nothing, so a chunk of samples merged is that chunk of the merged batch. Recomputed whole,
+    the merging of the whole batch (a float32 norm input of 4C channels) set the planned peak
+    of converted Swin-T at 80 GiB. Not a module: the merging keeps its place (and its names)
+    in the model."""
+
+    def __init__(self, merging: nn.Module):
+        self.merging = merging
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.merging(x)
+
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return self.merging(x)
+
+
 class ConvertedSwinStage(nn.Module):
     """A timm Swin stage: its patch merging (None in the first stage), then its blocks as one
     reversible stack from ``(x, x)``; the stage's output is ``Y2`` of the last block."""
@@ -172,11 +195,12 @@ class ConvertedSwinStage(nn.Module):
         self.input_resolution = stage.input_resolution
         self.output_resolution = stage.output_resolution
         self.downsample = None if isinstance(stage.downsample, nn.Identity) else stage.downsample
+        self._merging = None if self.downsample is None else MergingInChunks(self.downsample)
         self.stack = ReversibleStack([block(b) for b in stage.blocks], engine=engine)
         self.grad_checkpointing = False  # the merging (ConvertedSwin.set_grad_checkpointing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = maybe_checkpoint(self.downsample, x, self.grad_checkpointing,
+        x = maybe_checkpoint(self._merging, x, self.grad_checkpointing,
                              self.stack.chunking)  # (B, H, W, C)
         _, x = self.stack(x, x)  # z_0 = z_1 = x; the next stage reads z_{2L+1}
         return x
@@ -234,7 +258,6 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
 
     # timm's own methods, run on this model's attributes (the same names as timm's): the
     # stages are this model's, the rest is timm's code.
-    forward_features = timm_swin.SwinTransformer.forward_features
     forward_head = timm_swin.SwinTransformer.forward_head
     forward_intermediates = timm_swin.SwinTransformer.forward_intermediates
 
@@ -258,6 +281,7 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
         self.default_cfg = self.pretrained_cfg
         self.source_architecture = self.pretrained_cfg.get("architecture", type(source).__name__)
         self.coupling = (1.0, 0.0)
+        self.grad_checkpointing = False  # the stem and the mergings (set_grad_checkpointing)
         # beta = 0 cannot be inverted: every block keeps its graph until the coupling moves.
         for stage in self.layers:
             stage.stack.store_blocks(range(len(stage.stack.blocks)))
@@ -308,6 +332,15 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
                        dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor]:
         H, W = self.patch_embed.img_size
         return (torch.randn(batch_size, self.in_chans, H, W, device=device, dtype=dtype),)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images to the final normed map ``(B, H', W', C')``, as timm's ``forward_features``."""
+        # Checkpointed (set_grad_checkpointing), the patch embedding keeps the images, which
+        # the caller holds anyway, not autocast's copy of them and its norm's float32 input
+        # (as Rev-Swin's stem).
+        x = maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H, W, C)
+        x = self.layers(x)
+        return self.norm(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

@@ -40,6 +40,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
+from pareprop.convert.swin import MergingInChunks
 from pareprop.convert.weights import load_source_weights, load_state
 from pareprop.engine import ReversibleStack
 from pareprop.layers.recompute import maybe_checkpoint
@@ -186,7 +187,9 @@ class ConvertedSwin3d(ReversibleModelMixin, nn.Module):
         self.norm = source.norm
         self.avgpool = source.avgpool
         self.head = source.head
-        self.grad_checkpointing = False  # the patch mergings (set_grad_checkpointing)
+        self.grad_checkpointing = False  # the stem and mergings (set_grad_checkpointing)
+        self._mergings = {i: MergingInChunks(part) for i, part in enumerate(self.features)
+                          if isinstance(part, PatchMerging)}
         patch = source.patch_embed.tuple_patch_size
         self._stage_indices = list(range(0, len(self.features), 2))
         self.feature_info = [
@@ -256,14 +259,16 @@ class ConvertedSwin3d(ReversibleModelMixin, nn.Module):
                 chunking = part.stack.chunking
                 if i // 2 in take:
                     taken.append(x)
-            else:  # patch merging, in chunks of its stage's stack (set_chunking)
-                x = maybe_checkpoint(part, x, self.grad_checkpointing, chunking)
+            else:  # patch merging, in chunks of samples as its stage's stack's branches
+                x = maybe_checkpoint(self._mergings[i], x, self.grad_checkpointing, chunking)
         return x, taken
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Clips ``(B, C, T, H, W)`` to the final normed map ``(B, T', H', W', C')``, as
         torchvision's forward before pooling."""
-        x = self.pos_drop(self.patch_embed(x))
+        # Checkpointed (set_grad_checkpointing), the patch embedding keeps the clips, which the
+        # caller holds anyway, not its norm's input.
+        x = self.pos_drop(maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing))
         x, _ = self._run_features(x)
         return self.norm(x)
 
