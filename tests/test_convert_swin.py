@@ -390,3 +390,33 @@ def test_features_only_by_name():
     net = pareprop.create_model("converted_swin", features_only=True, tolerance=None, **TINY)
     assert net.feature_info.channels() == [16, 32] and net.feature_info.reduction() == [4, 8]
     assert [f.shape for f in net(_images())] == [(2, 16, 8, 8), (2, 32, 4, 4)]
+
+
+def test_merging_in_chunks_equals_the_merging_whole(monkeypatch):
+    # Under checkpointing with the stacks chunked, patch merging runs in chunks of samples
+    # (MergingInChunks): the step is the unchunked step's, and the merging did run in chunks.
+    from pareprop.layers import recompute
+
+    counts = []
+    real = recompute._checkpoint_chunks
+
+    def spy(module, parts, join, split, count):
+        counts.append((type(module).__name__, count))
+        return real(module, parts, join, split, count)
+
+    monkeypatch.setattr(recompute, "_checkpoint_chunks", spy)
+    x = _images(3, dtype=torch.float64)
+    results = []
+    for chunked_step in (False, True):
+        model = pareprop.convert(_timm().double(), engine="autograd", tolerance=None)
+        pareprop.set_coupling(model, 0.3, 0.5)
+        if chunked_step:
+            model.set_grad_checkpointing(True)
+            pareprop.set_chunking(model, chunks=3)
+        out = model(x)
+        out.square().sum().backward()
+        results.append((out, [p.grad for p in model.parameters()]))
+    assert counts == [("MergingInChunks", 3)]
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

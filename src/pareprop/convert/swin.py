@@ -59,7 +59,7 @@ from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [
     "ConvertedSwin", "ConvertedSwinBlock", "ConvertedSwinStage", "ConvertedSwinV2Block",
-    "MergingInChunks",
+    "MergingInChunks", "unregistered",
     "check_convertible", "converted_swin", "load_swin_weights",
 ]
 
@@ -164,19 +164,22 @@ _FAMILIES: Dict[type, Tuple[type, type, Type[_SwinBlockBase]]] = {
 }
 
 
-class MergingInChunks:
+class MergingInChunks(nn.Module):
     """A source's patch merging as a block :func:`maybe_checkpoint` checkpoints in chunks of
     samples (NOTE [ Checkpointed blocks in chunks ] in pareprop/layers/recompute.py): merging
     pads, regroups 2x2 neighbours, normalises and projects each sample alone and draws
     nothing, so a chunk of samples merged is that chunk of the merged batch. Recomputed whole,
     the merging of the whole batch (a float32 norm input of 4C channels) set the planned peak
-    of converted Swin-T at 80 GiB. Not a module: the merging keeps its place (and its names)
-    in the model."""
+    of converted Swin-T at 80 GiB.
+
+    The owner keeps it unregistered (:func:`unregistered`): the merging keeps its place, and
+    its names, in the model."""
 
     def __init__(self, merging: nn.Module):
+        super().__init__()
         self.merging = merging
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.merging(x)
 
     def split(self, x: torch.Tensor) -> Split:
@@ -184,6 +187,13 @@ class MergingInChunks:
 
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         return self.merging(x)
+
+
+def unregistered(owner: nn.Module, name: str, module: Optional[nn.Module]) -> None:
+    """Set ``owner.name = module`` without making ``module`` a submodule of ``owner`` (no
+    state-dict entries, no second path to its parameters); casts and moves reach it through
+    the modules it wraps, which are registered where they belong."""
+    object.__setattr__(owner, name, module)
 
 
 class ConvertedSwinStage(nn.Module):
@@ -195,7 +205,8 @@ class ConvertedSwinStage(nn.Module):
         self.input_resolution = stage.input_resolution
         self.output_resolution = stage.output_resolution
         self.downsample = None if isinstance(stage.downsample, nn.Identity) else stage.downsample
-        self._merging = None if self.downsample is None else MergingInChunks(self.downsample)
+        unregistered(self, "_merging",
+                     None if self.downsample is None else MergingInChunks(self.downsample))
         self.stack = ReversibleStack([block(b) for b in stage.blocks], engine=engine)
         self.grad_checkpointing = False  # the merging (ConvertedSwin.set_grad_checkpointing)
 

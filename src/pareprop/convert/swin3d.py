@@ -40,7 +40,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
-from pareprop.convert.swin import MergingInChunks
+from pareprop.convert.swin import MergingInChunks, unregistered
 from pareprop.convert.weights import load_source_weights, load_state
 from pareprop.engine import ReversibleStack
 from pareprop.layers.recompute import maybe_checkpoint
@@ -188,8 +188,9 @@ class ConvertedSwin3d(ReversibleModelMixin, nn.Module):
         self.avgpool = source.avgpool
         self.head = source.head
         self.grad_checkpointing = False  # the stem and mergings (set_grad_checkpointing)
-        self._mergings = {i: MergingInChunks(part) for i, part in enumerate(self.features)
-                          if isinstance(part, PatchMerging)}
+        for i, part in enumerate(self.features):
+            if isinstance(part, PatchMerging):
+                unregistered(self, f"_merging{i}", MergingInChunks(part))
         patch = source.patch_embed.tuple_patch_size
         self._stage_indices = list(range(0, len(self.features), 2))
         self.feature_info = [
@@ -260,7 +261,8 @@ class ConvertedSwin3d(ReversibleModelMixin, nn.Module):
                 if i // 2 in take:
                     taken.append(x)
             else:  # patch merging, in chunks of samples as its stage's stack's branches
-                x = maybe_checkpoint(self._mergings[i], x, self.grad_checkpointing, chunking)
+                x = maybe_checkpoint(getattr(self, f"_merging{i}"), x, self.grad_checkpointing,
+                                     chunking)
         return x, taken
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
