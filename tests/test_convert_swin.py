@@ -420,3 +420,24 @@ def test_merging_in_chunks_equals_the_merging_whole(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_trainer_loads_timms_pretrained_weights_of_a_swin(monkeypatch):
+    # --convert-from without --pretrained-file: timm's download of the source (answered here
+    # by a model of another seed), through the converted model's timm names.
+    from pareprop.finetune import load_timm_pretrained
+
+    real = timm.create_model
+
+    def create(name, pretrained=False, **kw):
+        if pretrained:
+            torch.manual_seed(7)
+        return real(name, **kw)
+
+    monkeypatch.setattr("pareprop.finetune.timm.create_model", create)
+    model = pareprop.create_model("converted_swin", source="swinv2_tiny_window8_256",
+                                  num_classes=5, **TINY)
+    load_timm_pretrained(model, "swinv2_tiny_window8_256")
+    torch.manual_seed(7)
+    want = real("swinv2_tiny_window8_256", num_classes=5, **TINY).state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
