@@ -7,14 +7,16 @@ One room for every conversion:
   chunks;
 * ``coupling``: :func:`set_coupling` and :class:`CouplingSchedule`, which move (alpha, beta);
 * ``precision_guard``: stores the blocks a small skip scale cannot rebuild;
-* one module per source family: ``vit`` (timm's VisionTransformer).
+* ``weights``: a source's weights from a local file, in its publisher's layout;
+* one module per source family: ``vit`` (timm's VisionTransformer), ``swin`` (timm's
+  SwinTransformer and SwinTransformerV2), ``swin3d`` (torchvision's SwinTransformer3d).
 
 Importing the package registers every family with :func:`convert` and every named converted
 model (``converted_vit``, ...) with :func:`pareprop.create_model`.
 """
 
 # Imported for their side effect: each family registers its converter and its named model.
-from pareprop.convert import vit  # noqa: F401
+from pareprop.convert import swin, swin3d, vit  # noqa: F401
 from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
 from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
 from pareprop.convert.source import (
@@ -23,10 +25,13 @@ from pareprop.convert.source import (
     converted_model_name,
     converted_model_names,
 )
+from pareprop.convert.swin import ConvertedSwin
+from pareprop.convert.swin3d import ConvertedSwin3d
 from pareprop.convert.vit import ConvertedViT, load_timm_weights
 
 __all__ = [
-    "SCHEDULES", "ConvertedViT", "CouplingSchedule", "GuardReport", "PrecisionGuard",
+    "SCHEDULES", "ConvertedSwin", "ConvertedSwin3d", "ConvertedViT", "CouplingSchedule",
+    "GuardReport", "PrecisionGuard",
     "UnsupportedModelError", "convert", "converted_model_name", "converted_model_names",
     "coupling_of", "load_timm_weights", "set_coupling",
 ]

@@ -1,0 +1,78 @@
+"""A source model's weights from a local file, in its publisher's layout, before conversion.
+
+``--pretrained-file`` with ``--convert-from`` (and ``create_model("converted_...",
+pretrained_file=...)``) loads the file into the *source* model, through the source library's
+own checkpoint filter where it has one (timm's ``checkpoint_filter_fn`` adapts older layouts
+and resizes position tables), and only then converts: the filters address the source's
+modules by the source's names. A classifier of another class count is left out (the model
+keeps its fresh head); every other tensor must fit, and all are checked before any is copied,
+so a file that does not fit leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from pareprop.models.published import PretrainedError, read_state
+
+__all__ = ["load_source_weights", "load_state"]
+
+StateDict = Dict[str, torch.Tensor]
+
+
+def load_source_weights(
+    model: nn.Module,
+    path: "str | os.PathLike[str]",
+    head: Sequence[str],
+    checkpoint_filter: Optional[Callable[[StateDict, nn.Module], StateDict]] = None,
+    hint: str = "",
+) -> None:
+    """Load the weight file at ``path`` into the source ``model`` (not yet converted).
+
+    Args:
+        model: the source model (timm's or torchvision's), built with its target class count.
+        path: safetensors or a torch file (read with weights_only=True), told apart by content,
+            bare or under ``model``/``state_dict``/``model_state``.
+        head: the classifier's tensor names, left out when their shapes differ from the model's.
+        checkpoint_filter: the source library's filter ``(state, model) -> state``, if any.
+        hint: what to check when the file does not fit, for the message.
+
+    Raises:
+        PretrainedError: the file is missing, unreadable, unsafe, or does not fit.
+    """
+    state = read_state(path)
+    name = type(model).__name__
+    if checkpoint_filter is not None:
+        try:
+            state = checkpoint_filter(state, model)
+        except (RuntimeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PretrainedError(f"{os.fspath(path)!r} does not fit {name}: {first}") from None
+    load_state(model, state, head, where=repr(os.fspath(path)), hint=hint)
+
+
+def load_state(model: nn.Module, state: StateDict, head: Sequence[str], where: str,
+               hint: str = "") -> None:
+    """Copy ``state`` into ``model`` once every tensor is checked: the ``head`` tensors of
+    another shape are left out, anything else missing, unexpected or misshapen raises
+    :class:`PretrainedError` (saying ``where`` the state came from) and copies nothing."""
+    name = type(model).__name__
+    own = model.state_dict()
+    other_head = [k for k in head
+                  if k in state and k in own and state[k].shape != own[k].shape]
+    state = {k: v for k, v in state.items() if k not in other_head}
+    missing = sorted(set(own) - set(state) - set(other_head))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+              for k in sorted(state) if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        what = [f"{len(v)} {label}, first {v[0]}" for label, v in
+                (("missing", missing), ("unexpected", unexpected), ("misshapen", shapes)) if v]
+        raise PretrainedError(
+            f"{where} does not fit {name}: {'; '.join(what)}" + (f"; {hint}" if hint else "")
+        )
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,112 @@
+"""Converted Swin, Swin V2 and Video Swin under DDP and FSDP2 (2 gloo processes, float64): at
+(alpha, beta) = (0.3, 0.5), every engine, several stacks with checkpointed patch merging
+between them, one SGD step equals one process on the whole batch with plain autograd."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+import pareprop
+from pareprop import fsdp
+from pareprop.convert.swin3d import build_swin3d
+from pareprop.distributed import wrap_ddp
+from pareprop.engine import ENGINES
+
+pytestmark = [  # slow: spawned process pairs (README, Development)
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (tdist.is_available() and fsdp.fsdp_available()), reason="no FSDP2 in this torch"
+    ),
+]
+
+BATCH, LR = 4, 0.5
+TIMM = dict(img_size=16, patch_size=2, embed_dim=8, depths=(2, 2), num_heads=(1, 2),
+            window_size=4, num_classes=5, drop_path_rate=0.0)  # processes draw apart
+
+
+def _source(family):
+    if family == "swin3d":
+        return build_swin3d("swin3d_t", embed_dim=8, depths=[2, 2], num_heads=[1, 2],
+                            num_classes=5, stochastic_depth_prob=0.0)
+    from timm.models.swin_transformer import SwinTransformer
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    return (SwinTransformerV2 if family == "swinv2" else SwinTransformer)(**TIMM)
+
+
+def _model(family, engine):
+    torch.manual_seed(0)
+    model = pareprop.convert(_source(family), engine=engine, tolerance=None)
+    pareprop.set_coupling(model, 0.3, 0.5)
+    model.set_grad_checkpointing(True)
+    return model.double().train()
+
+
+def _batch(family):
+    g = torch.Generator().manual_seed(1)
+    shape = (BATCH, 3, 4, 16, 16) if family == "swin3d" else (BATCH, 3, 16, 16)
+    return torch.randn(shape, generator=g, dtype=torch.float64), \
+        torch.randint(0, 5, (BATCH,), generator=g)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _step(model, net, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _cases():
+    for family in ("swin", "swinv2", "swin3d"):
+        for engine in ENGINES:
+            for wrapper in ("ddp", "fsdp"):
+                yield family, engine, wrapper
+
+
+def _worker(rank, world, init_file, out):
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                             world_size=world)
+    try:
+        results = {}
+        for family, engine, wrapper in _cases():
+            x, y = _batch(family)
+            xs, ys = x[rank::world], y[rank::world]
+            model = _model(family, engine)
+            if wrapper == "ddp":
+                results[(family, engine, wrapper)] = _step(model, wrap_ddp(model), xs, ys)
+            else:
+                fsdp.shard(model)
+                results[(family, engine, wrapper)] = _step(model, model, xs, ys)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("swin_dist")
+    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: "-".join(c))
+def test_two_processes_equal_one(results, case):
+    family = case[0]
+    x, y = _batch(family)
+    model = _model(family, "autograd")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _step(model, model, x, y)
+    for rank in range(2):
+        got = results[rank][case]
+        for name, want in ref.items():
+            moved = (want - before[name]).norm().item()
+            err = (got[name] - want).norm().item() / max(moved, 1e-30)
+            assert err < 1e-10, f"rank {rank}, {name}: relative error {err:.2e} of the update"
