@@ -7,15 +7,17 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
+import torch
 import torch.nn as nn
 
 from pareprop.convert.precision_guard import PrecisionGuard
 from pareprop.engine import ENGINES
+from pareprop.models.published import PretrainedError, read_state
 
 __all__ = [
     "NamedSource", "UnsupportedModelError", "convert", "converted_model_name",
     "converted_model_names", "converter_for", "converts", "keep_source_names",
-    "refuse_grad_checkpointing", "refuse_hooks", "register_source_names",
+    "load_source_weights", "refuse_grad_checkpointing", "refuse_hooks", "register_source_names",
 ]
 
 
@@ -192,3 +194,52 @@ def keep_source_names(model: nn.Module, renames: Sequence[Tuple[str, str]]) -> N
 
     model._register_state_dict_hook(save)
     model._register_load_state_dict_pre_hook(load)
+
+
+def load_source_weights(
+    model: nn.Module,
+    path: str,
+    checkpoint_filter: Optional[Callable[[Dict[str, torch.Tensor], nn.Module],
+                                         Dict[str, torch.Tensor]]],
+    what: str,
+) -> None:
+    """Load the publisher's weights of a source from ``path`` into ``model`` (the source or
+    its conversion: their state dicts have the same names).
+
+    The file is safetensors or a torch file read with weights_only=True, told apart by
+    content, bare or under ``model``/``state_dict``; ``checkpoint_filter(state, model)`` (the
+    source library's own, or None) adapts other layouts. A classifier of another class count
+    (``pretrained_cfg["classifier"]``) is left out: the model keeps its fresh head. Every other
+    tensor must match, and is checked before any is copied: a file that does not fit leaves
+    ``model`` untouched. ``what`` names the family in messages ("ViT", "MViTv2", ...).
+
+    Raises:
+        PretrainedError: the file is missing, unreadable, unsafe, or does not fit.
+    """
+    state = read_state(path)
+    name = type(model).__name__
+    if checkpoint_filter is not None:
+        try:
+            state = checkpoint_filter(state, model)
+        except (RuntimeError, ValueError, KeyError, IndexError, AssertionError) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PretrainedError(f"{path!r} does not fit {name}: {first}") from None
+    own = model.state_dict()
+    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
+    head = [k for k in (f"{classifier}.weight", f"{classifier}.bias")
+            if k in state and k in own and state[k].shape != own[k].shape]
+    for key in head:
+        del state[key]
+    missing = sorted(set(own) - set(state) - set(head))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+              for k in sorted(state) if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        found = [f"{len(v)} {label}, first {v[0]}" for label, v in
+                 (("missing", missing), ("unexpected", unexpected), ("misshapen", shapes)) if v]
+        raise PretrainedError(
+            f"{path!r} does not fit {name}: {'; '.join(found)}; is it the weights of another "
+            f"{what} (give --convert-from the source it was trained as, and its --model-arg "
+            "sizes)?"
+        )
+    model.load_state_dict(state, strict=False)
