@@ -24,12 +24,20 @@ as timm does, and the head reads it from the final norm.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
 import torch.nn as nn
-from timm.models.mvitv2 import MultiScaleBlock, MultiScaleVit, checkpoint_filter_fn
+from timm.models._builder import build_model_with_cfg
+from timm.models.mvitv2 import (
+    MultiScaleBlock,
+    MultiScaleVit,
+    MultiScaleVitCfg,
+    checkpoint_filter_fn,
+    model_cfgs,
+)
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, drop_path_samples, sliced_dropouts
@@ -237,13 +245,30 @@ def converted_mvitv2(
     **timm_kwargs: Any,
 ) -> ConvertedMultiScaleVit:
     """timm's ``source`` MViTv2 (``timm.create_model(source, **timm_kwargs)``), converted.
+    Keywords that are fields of timm's ``MultiScaleVitCfg`` (``depths``, ``embed_dim``,
+    ``num_heads``, ...) change the source's configuration (timm's factories take none).
 
     ``pretrained_file``: timm's (or the publishers', which timm's filter maps) weights to start
     from (see :func:`load_mvitv2_weights`). ``coupling``: (alpha, beta) to start at;
     :func:`pareprop.set_coupling` records a new one here, so a checkpoint rebuilds the model at
     the coupling it was saved at. ``tolerance``: of the precision guard (None: no guard).
     """
-    mvit = timm.create_model(source, **timm_kwargs)
+    fields = {f.name for f in dataclasses.fields(MultiScaleVitCfg)}
+    changes = {k: timm_kwargs.pop(k) for k in list(timm_kwargs) if k in fields}
+    if changes:
+        arch = source.split(".")[0]
+        if arch not in model_cfgs:
+            raise ValueError(f"expected a timm MViTv2 source ({', '.join(model_cfgs)}), got "
+                             f"{source!r}")
+        # timm's own builder, with the configuration changed (tuples: a list from JSON).
+        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+        mvit = build_model_with_cfg(
+            MultiScaleVit, source, pretrained=False,
+            model_cfg=dataclasses.replace(model_cfgs[arch], **changes),
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=4, feature_cls="getter"), **timm_kwargs)
+    else:
+        mvit = timm.create_model(source, **timm_kwargs)
     if pretrained_file is not None:
         load_mvitv2_weights(mvit, pretrained_file)
     model = convert(mvit, engine=engine, tolerance=tolerance)
