@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torchvision
 from timm.models._features import feature_take_indices
-from torchvision.models.video.mvit import MultiscaleBlock, MViT
+from torchvision.models.video.mvit import MSBlockConfig, MultiscaleBlock, MViT
 
 from pareprop.convert.block import CoupledBlock
 from pareprop.convert.coupling import set_coupling
@@ -55,7 +55,7 @@ from pareprop.models.published import PretrainedError
 
 __all__ = [
     "ConvertedMViT", "ConvertedMultiscaleBlock", "SOURCES", "check_convertible",
-    "converted_tv_mvit", "keeps_shape", "load_torchvision_mvit_weights",
+    "converted_tv_mvit", "keeps_shape", "load_torchvision_mvit_weights", "published_mvit",
 ]
 
 # torchvision's MViT models, and what their Kinetics-400 weights' transforms expect.
@@ -292,6 +292,54 @@ class ConvertedMViT(ReversibleModelMixin, nn.Module):
 
 # -- a named model, so create_model, checkpoints and the trainer can build one ---------------
 
+def published_mvit(
+    source: str,
+    spatial_size: Sequence[int] = (224, 224),
+    temporal_size: int = 16,
+    embed_dim: Optional[int] = None,
+    max_run: Optional[int] = None,
+    **kwargs: Any,
+) -> MViT:
+    """torchvision's ``source`` (``mvit_v1_b``, ``mvit_v2_s``) with random weights, at its
+    published size, or smaller: clips of ``temporal_size`` frames of ``spatial_size``, widths
+    scaled so that the first is ``embed_dim`` (heads kept), and every run of blocks that keep
+    their shape cut to its first ``max_run`` (such blocks are interchangeable in the sequence:
+    same width and map in and out). torchvision's builders fix the size, so the smaller one is
+    its ``MViT`` built from the published blocks, read off a build on the meta device.
+    ``kwargs``: ``MViT``'s (``num_classes``, ``dropout``, ``stochastic_depth_prob``, ...)."""
+    if source not in SOURCES:
+        raise ValueError(f"expected source in {', '.join(SOURCES)}, got {source!r}")
+    spatial_size = tuple(int(s) for s in spatial_size)
+    if (spatial_size, temporal_size, embed_dim, max_run) == ((224, 224), 16, None, None):
+        return torchvision.models.get_model(source, **kwargs)
+    with torch.device("meta"):
+        full = torchvision.models.get_model(source)
+    scale = (embed_dim or full.conv_proj.out_channels) / full.conv_proj.out_channels
+    settings, run = [], 0
+    for block in full.blocks:
+        run = run + 1 if keeps_shape(block) else 0
+        if max_run is not None and run > max_run:
+            continue
+        attn = block.attn
+
+        def pool(p: Optional[nn.Module]) -> Tuple[List[int], List[int]]:
+            return ([], []) if p is None else (list(p.pool.kernel_size), list(p.pool.stride))
+
+        (kernel_q, stride_q), (kernel_kv, stride_kv) = pool(attn.pool_q), pool(attn.pool_k)
+        settings.append(MSBlockConfig(
+            num_heads=attn.num_heads,
+            input_channels=int(block.norm1.normalized_shape[0] * scale),
+            output_channels=int(block.mlp[-2].out_features * scale),
+            kernel_q=kernel_q, kernel_kv=kernel_kv, stride_q=stride_q, stride_kv=stride_kv))
+    first = full.blocks[0]
+    kwargs.setdefault("stochastic_depth_prob", full.blocks[-1].stochastic_depth.p)
+    return MViT(spatial_size=spatial_size, temporal_size=int(temporal_size),
+                block_setting=settings, residual_pool=first.attn.residual_pool,
+                residual_with_cls_embed=first.attn.residual_with_cls_embed,
+                rel_pos_embed=first.attn.rel_pos_h is not None,
+                proj_after_attn=first.proj_after_attn, **kwargs)
+
+
 @register_model(timm=False)
 def converted_tv_mvit(
     source: str = "mvit_v2_s",
@@ -301,17 +349,15 @@ def converted_tv_mvit(
     tolerance: Optional[float] = 1e-3,
     **tv_kwargs: Any,
 ) -> ConvertedMViT:
-    """torchvision's ``source`` (``mvit_v1_b`` or ``mvit_v2_s``:
-    ``torchvision.models.get_model(source, **tv_kwargs)``, random weights), converted.
+    """torchvision's ``source`` (``mvit_v1_b`` or ``mvit_v2_s``, random weights:
+    :func:`published_mvit`, at its published size unless ``tv_kwargs`` say smaller), converted.
 
     ``pretrained_file``: torchvision's weights (its state-dict layout, e.g.
     ``mvit_v2_s-ae3be167.pth``) to start from; see :func:`load_torchvision_mvit_weights`.
     :meth:`ConvertedMViT.load_source_pretrained` fetches them instead (online).
     ``coupling``, ``tolerance``: as :func:`pareprop.convert.vit.converted_vit`'s.
     """
-    if source not in SOURCES:
-        raise ValueError(f"expected source in {', '.join(SOURCES)}, got {source!r}")
-    mvit = torchvision.models.get_model(source, **tv_kwargs)
+    mvit = published_mvit(source, **tv_kwargs)
     if pretrained_file is not None:
         load_torchvision_mvit_weights(mvit, pretrained_file)
     model = convert(mvit, engine=engine, tolerance=tolerance)
