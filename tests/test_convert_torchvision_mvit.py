@@ -113,6 +113,11 @@ def test_training_step_equals_torchvision_at_one_zero(engine, name):
         assert torch.equal(grad, results[1][1][key]), key
 
 
+def _sublayers(block):
+    return (lambda x, thw: block.stochastic_depth(block.attn(block.norm1(x), thw)[0]),
+            lambda x, thw: block.stochastic_depth(block.mlp(block.norm2(x))))
+
+
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5), (1.0, 0.8)])
 def test_forward_is_the_dual_residual_recursion(alpha, beta):
     source = _tv("mvit_v1_b").double().eval()
@@ -129,9 +134,8 @@ def test_forward_is_the_dual_residual_recursion(alpha, beta):
             previous = None
             continue
         previous = z if previous is None else previous
-        for h in (lambda t: block.stochastic_depth(block.attn(block.norm1(t), thw)[0]),
-                  lambda t: block.stochastic_depth(block.mlp(block.norm2(t)))):
-            z, previous = alpha * z + beta * previous + h(z), z
+        for h in _sublayers(block):
+            z, previous = alpha * z + beta * previous + h(z, thw), z
     torch.testing.assert_close(model(x), source.head(source.norm(z)[:, 0]), rtol=1e-12,
                                atol=1e-12)
 
