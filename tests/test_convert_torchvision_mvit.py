@@ -141,7 +141,7 @@ def test_forward_is_the_dual_residual_recursion(alpha, beta):
 
 
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5), (1.0, 0.8)])
-@pytest.mark.parametrize("setup", ["plain", "checkpointed", "stored"])
+@pytest.mark.parametrize("setup", ["plain", "checkpointed", "chunked", "stored"])
 @pytest.mark.parametrize("name", SOURCES)
 def test_engines_match_autograd_on_a_converted_mvit(name, alpha, beta, setup):
     source = _tv(name, stochastic_depth_prob=0.4, attention_dropout=0.2, dropout=0.2)
@@ -149,6 +149,8 @@ def test_engines_match_autograd_on_a_converted_mvit(name, alpha, beta, setup):
     pareprop.set_coupling(model, alpha, beta)
     if setup == "checkpointed":
         model.set_grad_checkpointing()
+    elif setup == "chunked":  # stochastic depth of a chunk of samples: its slice of the draw
+        pareprop.set_chunking(model, chunks=2)
     elif setup == "stored":
         model.stacks()[-2].store_blocks([0])
     report = _engine_errors(model, _clips(dtype=torch.float64))

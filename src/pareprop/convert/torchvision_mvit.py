@@ -35,8 +35,10 @@ import torch.nn as nn
 import torchvision
 from timm.models._features import feature_take_indices
 from torchvision.models.video.mvit import MSBlockConfig, MultiscaleBlock, MViT
+from torchvision.ops import StochasticDepth
 
-from pareprop.convert.block import CoupledBlock
+from pareprop.chunking import Chunk, Split, whole_shape
+from pareprop.convert.block import CoupledBlock, sliced_dropouts
 from pareprop.convert.coupling import set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
@@ -56,6 +58,7 @@ from pareprop.models.published import PretrainedError
 __all__ = [
     "ConvertedMViT", "ConvertedMultiscaleBlock", "SOURCES", "check_convertible",
     "converted_tv_mvit", "keeps_shape", "load_torchvision_mvit_weights", "published_mvit",
+    "stochastic_depth_samples",
 ]
 
 # torchvision's MViT models, and what their Kinetics-400 weights' transforms expect.
@@ -75,9 +78,7 @@ def keeps_shape(block: MultiscaleBlock) -> bool:
 class ConvertedMultiscaleBlock(CoupledBlock):
     """A torchvision ``MultiscaleBlock`` that keeps its shape, as a coupling with skip scale
     beta: F(x) = alpha x + stochastic_depth(attn(norm1(x), thw)),
-    G(y) = alpha y + stochastic_depth(mlp(norm2(y))). Shares the block's modules (no copy).
-    Branches are not chunked (no ``f_split``/``g_split``): torchvision's stochastic depth
-    draws for the whole batch, and no chunk of samples reproduces its draw."""
+    G(y) = alpha y + stochastic_depth(mlp(norm2(y))). Shares the block's modules (no copy)."""
 
     def __init__(self, block: MultiscaleBlock):
         super().__init__(**{name: getattr(block, name) for name in _BRANCH_PARTS})
@@ -88,6 +89,43 @@ class ConvertedMultiscaleBlock(CoupledBlock):
 
     def g(self, x: torch.Tensor, thw: Tuple[int, int, int]) -> torch.Tensor:
         return self.alpha * x + self.stochastic_depth(self.mlp(self.norm2(x)))
+
+    # Chunked branches (NOTE [ timm's layers in chunks ] in pareprop/convert/block.py): F acts
+    # on each sample alone (keys, values and queries are pooled over the sample's own map;
+    # torchvision's attention computes its weights without a fused kernel, and its output
+    # dropout is an nn.Dropout), G on each token alone.
+    def f_split(self, x: torch.Tensor, thw: Tuple[int, int, int]) -> Split:
+        return Split.samples(x.shape[0])
+
+    def f_chunk(self, x: torch.Tensor, chunk: Chunk, thw: Tuple[int, int, int]) -> torch.Tensor:
+        with sliced_dropouts(self.attn, chunk, dim=0):
+            h = self.attn(self.norm1(x), thw)[0]  # (b, N, C)
+        return self.alpha * x + stochastic_depth_samples(self.stochastic_depth, h, chunk)
+
+    def g_split(self, x: torch.Tensor, thw: Tuple[int, int, int]) -> Split:
+        return Split.tokens(x.shape[1])
+
+    def g_chunk(self, x: torch.Tensor, chunk: Chunk, thw: Tuple[int, int, int]) -> torch.Tensor:
+        with sliced_dropouts(self.mlp, chunk, dim=1):
+            h = self.mlp(self.norm2(x))  # (B, n, C)
+        # Stochastic depth draws one value per sample: on a chunk of tokens, the whole draw.
+        return self.alpha * x + self.stochastic_depth(h)
+
+
+def stochastic_depth_samples(module: StochasticDepth, x: torch.Tensor,
+                             chunk: Chunk) -> torch.Tensor:
+    """torchvision's row-wise stochastic depth on a chunk of samples: the chunk's slice of
+    torchvision's draw for the whole batch (``torch.empty((B, 1, ...)).bernoulli_(survival)``,
+    divided by the survival rate)."""
+    if not (module.training and module.p > 0.0 and module.mode == "row"):
+        return module(x)  # draws nothing, or one value for the whole batch ("batch")
+    survival = 1.0 - module.p
+    shape, rows = whole_shape(x, chunk, 0)
+    noise = torch.empty([shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype, device=x.device)
+    noise.bernoulli_(survival)
+    if survival > 0.0:
+        noise.div_(survival)
+    return x * chunk.take(noise, 0, rows)
 
 
 def check_convertible(model: nn.Module) -> None:
