@@ -256,5 +256,12 @@ def test_named_model_from_a_timm_file_and_back_from_a_checkpoint(tmp_path):
     assert type(loaded) is type(model) and pareprop.coupling_of(loaded) == (0.25, 0.75)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+    # timm's feature net over the multi-scale forward_intermediates
+    features = pareprop.create_model("converted_mvitv2", source="mvitv2_tiny", num_classes=5,
+                                     pretrained_file=path, features_only=True, **small).eval()
+    with torch.no_grad():
+        want = source.forward_intermediates(x, intermediates_only=True)
+        got = features(x)
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
     cfg = resolve_config(["--convert-from", "mvitv2_tiny"])
     assert cfg.model == "converted_mvitv2" and cfg.model_kwargs == {"source": "mvitv2_tiny"}

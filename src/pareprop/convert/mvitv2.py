@@ -154,6 +154,7 @@ class ConvertedMultiScaleVit(ReversibleModelMixin, nn.Module):
     forward_head = MultiScaleVit.forward_head
     forward = MultiScaleVit.forward
     forward_intermediates = MultiScaleVit.forward_intermediates
+    prune_intermediate_layers = MultiScaleVit.prune_intermediate_layers
     no_weight_decay = MultiScaleVit.no_weight_decay
 
     def __init__(self, source: MultiScaleVit, engine: str = "reversible"):
