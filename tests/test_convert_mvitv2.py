@@ -137,7 +137,8 @@ def test_engines_match_autograd_on_a_converted_mvitv2(alpha, beta, setup):
     pareprop.set_coupling(model, alpha, beta)
     if setup == "checkpointed":
         model.set_grad_checkpointing()
-    elif setup == "chunked":
+    elif setup == "chunked":  # the stacks' branches, and the kept blocks checkpointed
+        model.set_grad_checkpointing()
         pareprop.set_chunking(model, chunks=2)
     elif setup == "stored":
         model.stages[1].parts[1].store_blocks([1])

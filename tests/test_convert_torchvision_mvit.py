@@ -149,7 +149,8 @@ def test_engines_match_autograd_on_a_converted_mvit(name, alpha, beta, setup):
     pareprop.set_coupling(model, alpha, beta)
     if setup == "checkpointed":
         model.set_grad_checkpointing()
-    elif setup == "chunked":  # stochastic depth of a chunk of samples: its slice of the draw
+    elif setup == "chunked":  # the stacks' branches, and the kept blocks checkpointed
+        model.set_grad_checkpointing()  # stochastic depth: a chunk draws its slice
         pareprop.set_chunking(model, chunks=2)
     elif setup == "stored":
         model.stacks()[-2].store_blocks([0])

@@ -12,8 +12,11 @@ last block (docs/convert.md, "The coupling": ``z_0 = z_1 = x``, the next layer r
 transitions of Rev-MViT) is the source's own block, run by its own ``forward``, and under
 ``set_grad_checkpointing()`` checkpointed as timm checkpoints it (it keeps its input, which is
 the stack's ``Y2`` the engines keep anyway, NOTE [ Checkpointing what is not reversible ] in
-pareprop/layers/recompute.py). The map's size is a constant keyword of the stacks, as ``hw`` of
-Rev-MViT's.
+pareprop/layers/recompute.py). With the stacks' branches chunked (``set_chunking``) it is
+checkpointed in chunks of samples as Rev-MViT's transitions are (NOTE [ Checkpointed blocks in
+chunks ]): each of its layers acts on a sample alone, and while a chunk runs the family's
+``sample_draws`` make its random layers draw the chunk's slice of the whole batch's draw.
+The map's size is a constant keyword of the stacks, as ``hw`` of Rev-MViT's.
 
 :class:`CoupledRuns` holds the parts in the source's order under ``parts`` (``parts.4`` a stack
 whose ``blocks.0`` is the source's ``blocks.4``); :meth:`CoupledRuns.source_names` gives the
@@ -23,16 +26,17 @@ in pareprop/convert/source.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
+from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock
 from pareprop.engine import ReversibleStack
+from pareprop.layers.recompute import maybe_checkpoint
 
-__all__ = ["CoupledRuns", "pools_nothing"]
+__all__ = ["CoupledRuns", "KeptBlock", "pools_nothing"]
 
 
 def pools_nothing(pool: Any) -> bool:
@@ -54,6 +58,8 @@ class CoupledRuns(nn.Module):
         coupled: the coupled block of a block that keeps its shape.
         engine: the stacks' backward engine.
         size_keyword: the keyword the coupled blocks' ``f`` and ``g`` take the map size by.
+        sample_draws: a context in which a kept block's random layers draw a chunk of
+            samples' slice of the whole batch's draw.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class CoupledRuns(nn.Module):
         coupled: Callable[[nn.Module], CoupledBlock],
         engine: str,
         size_keyword: str,
+        sample_draws: Callable[[nn.Module, Chunk], ContextManager[None]],
     ):
         super().__init__()
         self.size_keyword = size_keyword
@@ -80,6 +87,9 @@ class CoupledRuns(nn.Module):
             self.source_indices[-1].append(i)
         self.parts = nn.ModuleList(
             ReversibleStack(run, engine=engine) if isinstance(run, list) else run for run in runs)
+        # The kept blocks as maybe_checkpoint takes them (not modules: no new state-dict names).
+        self._kept = {p: KeptBlock(part, sample_draws) for p, part in enumerate(self.parts)
+                      if not isinstance(part, ReversibleStack)}
         self.grad_checkpointing = False  # set by the model's set_grad_checkpointing
 
     def stacks(self) -> List[ReversibleStack]:
@@ -99,12 +109,42 @@ class CoupledRuns(nn.Module):
         return pairs
 
     def forward(self, x: torch.Tensor, size: Sequence[int]) -> Tuple[torch.Tensor, Any]:
-        for part in self.parts:
+        stacks = self.stacks()
+        chunking = stacks[0].chunking if stacks else None  # set_chunking sets every stack
+        for p, part in enumerate(self.parts):
             if isinstance(part, ReversibleStack):
                 # z_0 = z_1 = x; the next part reads z_{2L+1} (Y2); the size does not change.
                 _, x = part(x, x, **{self.size_keyword: tuple(size)})
-            elif self.grad_checkpointing and torch.is_grad_enabled():
-                x, size = checkpoint(part, x, size, use_reentrant=False)
+            elif self.grad_checkpointing:
+                kept = self._kept[p]
+                kept.size = size
+                x = maybe_checkpoint(kept, x, True, chunking)  # type: ignore[arg-type]
+                size = kept.out_size
             else:
                 x, size = part(x, size)
         return x, size
+
+
+class KeptBlock:
+    """A block kept from the source as :func:`~pareprop.layers.recompute.maybe_checkpoint`
+    takes it: one tensor in and out (the map's size is set before the call, the output's
+    recorded), and the ``split`` and ``forward_chunk`` of NOTE [ Checkpointed blocks in chunks ]
+    (every layer of an MViT block acts on each sample alone)."""
+
+    def __init__(self, block: nn.Module,
+                 sample_draws: Callable[[nn.Module, Chunk], ContextManager[None]]):
+        self.block, self.sample_draws = block, sample_draws
+        self.size: Any = None  # the input map's (H, W) or (T, H, W)
+        self.out_size: Any = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, self.out_size = self.block(x, self.size)
+        return x
+
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        with self.sample_draws(self.block, chunk):
+            x, self.out_size = self.block(x, self.size)
+        return x

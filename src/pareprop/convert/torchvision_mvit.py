@@ -28,7 +28,9 @@ models do, and ``forward`` is the two.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+import contextlib
+import functools
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -128,6 +130,22 @@ def stochastic_depth_samples(module: StochasticDepth, x: torch.Tensor,
     return x * chunk.take(noise, 0, rows)
 
 
+@contextlib.contextmanager
+def sample_draws(module: nn.Module, chunk: Chunk) -> Iterator[None]:
+    """While inside, the stochastic depth and dropout layers of ``module`` (a torchvision block
+    kept as it is) draw ``chunk``'s slice of the samples' draw of the whole batch."""
+    depths = [m for m in module.modules() if isinstance(m, StochasticDepth)
+              and m.training and m.p > 0.0 and m.mode == "row"]  # the others draw alike
+    for m in depths:
+        m.forward = functools.partial(stochastic_depth_samples, m, chunk=chunk)
+    try:
+        with sliced_dropouts(module, chunk, dim=0):
+            yield
+    finally:
+        for m in depths:
+            del m.forward
+
+
 def check_convertible(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError`, saying why, unless ``model`` is torchvision's
     ``MViT`` itself with LayerNorm ``MultiscaleBlock`` blocks."""
@@ -171,7 +189,7 @@ class ConvertedMViT(ReversibleModelMixin, nn.Module):
         self.conv_proj = source.conv_proj
         self.pos_encoding = source.pos_encoding
         self.encoder = CoupledRuns(source.blocks, keeps_shape, ConvertedMultiscaleBlock, engine,
-                                   size_keyword="thw")
+                                   size_keyword="thw", sample_draws=sample_draws)
         self.norm = source.norm
         self.head = source.head  # Sequential(Dropout, Linear): torchvision's names head.1.*
         self.in_chans = source.conv_proj.in_channels
