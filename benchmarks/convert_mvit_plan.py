@@ -2,7 +2,8 @@
 (issue 40's targets): timm's mvitv2_base (224 px images) and torchvision's mvit_v2_s (16 x 224
 x 224 clips), bf16 autocast, AdamW, a whole training step planned on fake tensors.
 
-    PYTHONPATH=src python benchmarks/convert_mvit_plan.py [--only mvitv2|tv] [--memory-gib 80]
+    PYTHONPATH=src python benchmarks/convert_mvit_plan.py [--only mvitv2|tv] [--memory-gib 80] \
+        [--side converted|source]
 
 The converted models run at coupling (0, 1) (every block rebuilt: no precision guard, which
 cannot measure fake tensors), their branches in 1 GiB chunks and the blocks kept from the
@@ -33,13 +34,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(PAIRS))
     parser.add_argument("--memory-gib", type=float, default=80.0)
+    parser.add_argument("--side", choices=("converted", "source"),
+                        help="plan only the converted models, or only the sources")
     args = parser.parse_args()
     memory = int(args.memory_gib * 2**30)
     for family, pair in PAIRS.items():
         if args.only not in (None, family):
             continue
         found = {}
-        for name, kwargs in pair:
+        for side, (name, kwargs) in zip(("converted", "source"), pair):
+            if args.side not in (None, side):
+                continue
             kwargs = dict(kwargs)
             engine = kwargs.pop("engine")
             start = time.perf_counter()
@@ -50,8 +55,9 @@ def main() -> None:
                               "peak_gib": next((r.peak / 2**30 for r in reports
                                                 if r.batch_size == batch), None),
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-        ours, theirs = (found[name] for name, _ in pair)
-        print(f"{family}: {ours} / {theirs} = {ours / max(theirs, 1):.2f}x", flush=True)
+        if len(found) == 2:
+            ours, theirs = (found[name] for name, _ in pair)
+            print(f"{family}: {ours} / {theirs} = {ours / max(theirs, 1):.2f}x", flush=True)
 
 
 if __name__ == "__main__":
