@@ -63,7 +63,7 @@ __all__ = [
     "stochastic_depth_samples",
 ]
 
-# torchvision's MViT models, and what their Kinetics-400 weights' transforms expect.
+# torchvision's MViT models (their Kinetics-400 weights: 16 frames of 224 x 224).
 SOURCES = ("mvit_v1_b", "mvit_v2_s")
 
 # The parts of a torchvision MultiscaleBlock that make its two residual branches, in its names.
