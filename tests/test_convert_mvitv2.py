@@ -130,7 +130,7 @@ def test_forward_is_the_dual_residual_recursion(alpha, beta):
 
 
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5), (1.0, 0.8)])
-@pytest.mark.parametrize("setup", ["plain", "checkpointed", "chunked", "stored"])
+@pytest.mark.parametrize("setup", ["plain", "checkpointed", "chunked", "chunked_bytes", "stored"])
 def test_engines_match_autograd_on_a_converted_mvitv2(alpha, beta, setup):
     source = _timm("mvitv2_small_cls", drop_path_rate=0.3, drop_rate=0.2).double()
     model = pareprop.convert(source, tolerance=None)
@@ -140,6 +140,9 @@ def test_engines_match_autograd_on_a_converted_mvitv2(alpha, beta, setup):
     elif setup == "chunked":  # the stacks' branches, and the kept blocks checkpointed
         model.set_grad_checkpointing()
         pareprop.set_chunking(model, chunks=2)
+    elif setup == "chunked_bytes":  # chunk counts from each graph's measured bytes
+        model.set_grad_checkpointing()
+        pareprop.set_chunking(model, max_bytes=2**14)
     elif setup == "stored":
         model.stages[1].parts[1].store_blocks([1])
     report = _engine_errors(model, _images(dtype=torch.float64))

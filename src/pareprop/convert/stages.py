@@ -26,7 +26,7 @@ in pareprop/convert/source.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -140,6 +140,9 @@ class KeptBlock:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x, self.out_size = self.block(x, self.size)
         return x
+
+    def parameters(self) -> Iterator[nn.Parameter]:  # left out of a chunk's measured graph
+        return self.block.parameters()
 
     def split(self, x: torch.Tensor) -> Split:
         return Split.samples(x.shape[0])
