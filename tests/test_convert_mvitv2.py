@@ -23,10 +23,13 @@ NAMES = sorted(model_cfgs)
 DEPTHS = (2, 3, 2, 2)
 
 
+def _cfg(name="mvitv2_tiny", depths=DEPTHS):
+    return dataclasses.replace(model_cfgs[name], depths=depths, embed_dim=24)
+
+
 def _timm(name="mvitv2_tiny", depths=DEPTHS, **kwargs):
     torch.manual_seed(0)
-    cfg = dataclasses.replace(model_cfgs[name], depths=depths, embed_dim=24)
-    return MultiScaleVit(cfg, img_size=32, num_classes=5, **kwargs)
+    return MultiScaleVit(_cfg(name, depths), img_size=32, num_classes=5, **kwargs)
 
 
 def _images(n=2, dtype=torch.float32):
@@ -218,8 +221,7 @@ def test_refusals_name_the_reason():
         pass
 
     with pytest.raises(UnsupportedModelError, match="Sub subclasses timm's MultiScaleVit"):
-        pareprop.convert(Sub(dataclasses.replace(model_cfgs["mvitv2_tiny"], depths=DEPTHS),
-                             img_size=32))
+        pareprop.convert(Sub(_cfg(), img_size=32))
     source = _timm()
     source.set_grad_checkpointing()
     with pytest.raises(UnsupportedModelError, match="gradient checkpointing"):
@@ -269,3 +271,38 @@ def test_named_model_from_a_timm_file_and_back_from_a_checkpoint(tmp_path):
     assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
     cfg = resolve_config(["--convert-from", "mvitv2_tiny"])
     assert cfg.model == "converted_mvitv2" and cfg.model_kwargs == {"source": "mvitv2_tiny"}
+
+
+def test_the_publishers_file_loads_through_timms_filter(tmp_path):
+    # PySlowFast's MViTv2 files (MViTv2_T_in1k.pyth): ``model_state``, the blocks numbered
+    # through the stages, the shortcut projection ``proj``, the classifier
+    # ``head.projection``. timm's own checkpoint filter maps them.
+    import re
+
+    from pareprop.convert import load_mvitv2_weights
+    from pareprop.pretrained import PretrainedError
+
+    source = _timm().eval()
+    starts = [sum(DEPTHS[:s]) for s in range(len(DEPTHS))]
+    published = {}
+    for key, value in source.state_dict().items():
+        m = re.match(r"stages\.(\d+)\.blocks\.(\d+)\.(.*)", key)
+        if m:
+            key = f"blocks.{starts[int(m[1])] + int(m[2])}.{m[3]}".replace(
+                "shortcut_proj_attn", "proj")
+        published[key.replace("head.fc", "head.projection")] = value
+    torch.save({"model_state": published, "epoch": 300}, tmp_path / "MViTv2_T_in1k.pyth")
+    torch.manual_seed(1)
+    model = pareprop.convert(MultiScaleVit(_cfg(), img_size=32, num_classes=5)).eval()
+    load_mvitv2_weights(model, str(tmp_path / "MViTv2_T_in1k.pyth"))
+    x = _images()
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    # a file of another depth: refused in one line, the model untouched
+    deeper = _timm(depths=(2, 3, 3, 2))
+    torch.save(deeper.state_dict(), tmp_path / "deeper.pth")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PretrainedError, match="does not fit .*stages.2.blocks.2") as info:
+        load_mvitv2_weights(model, str(tmp_path / "deeper.pth"))
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
