@@ -4,7 +4,7 @@ it. Plans one step as ``pareprop plan`` does (fake tensors, nothing allocated).
 
     python benchmarks/peak_operator.py rev_vit_base_patch16_224 reversible 14543 \
         [--amp bf16] [--img-size 224] [--chunk-bytes 1GiB] [--grad-checkpointing]
-        [--depth N] [--device cuda] [--top 16]
+        [--depth N] [--device cuda] [--top 16] [--model-arg KEY=VALUE ...]
 
 The breakdown table (parameters, activations kept, transient, floor) is the plan's own;
 the rest comes from a subclass of pareprop's StepPeakTracker (the counter plan_memory uses) that, at
@@ -15,6 +15,7 @@ the peak" lines.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=16, help="largest live tensors shown")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword of the model (JSON value, else a string), e.g. "
+                             "source=mvitv2_base, coupling=[0,1], tolerance=null")
     args = parser.parse_args(argv)
 
     trackers: List[Any] = []
@@ -91,6 +95,12 @@ def main(argv=None) -> int:
     overrides: Dict[str, Any] = {"img_size": args.img_size}
     if args.depth is not None:
         overrides["depth"] = args.depth
+    for item in args.model_arg:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
     start = time.perf_counter()
     report = plan_memory(args.model, args.batch_size, args.engine, amp=args.amp,
                          device=args.device, chunk_bytes=args.chunk_bytes,

@@ -540,6 +540,12 @@ FAMILIES = {
     "converted_vit": lambda: pareprop.create_model(
         "converted_vit", source="vit_tiny_patch16_224", img_size=16, patch_size=4,
         embed_dim=16, depth=2, num_heads=2, num_classes=5, tolerance=None),
+    "converted_mvitv2": lambda: pareprop.create_model(
+        "converted_mvitv2", source="mvitv2_small_cls", depths=(1, 2, 1, 2), embed_dim=8,
+        img_size=32, num_classes=5, tolerance=None),
+    "converted_tv_mvit": lambda: pareprop.create_model(
+        "converted_tv_mvit", source="mvit_v2_s", spatial_size=(32, 32), temporal_size=4,
+        embed_dim=8, max_run=1, num_classes=5, tolerance=None),
 }
 
 

@@ -156,12 +156,17 @@ _CONVERT_KEYWORDS = ("source", "pretrained_file", "engine", "coupling", "toleran
 
 def load_timm_pretrained(model: nn.Module, source: str) -> None:
     """Load timm's pretrained weights of ``source`` into the converted ``model`` (timm's
-    download cache; timm drops a head of another class count and adapts the input size).
+    download cache; timm drops a head of another class count and adapts the input size), or,
+    for a model of another library's source, its own ``load_source_pretrained(source)``.
 
     Raises:
         PretrainedError: timm has no pretrained weights for ``source``, or they cannot be
             fetched (offline): the message names ``--pretrained-file`` and ``--from-scratch``.
     """
+    own_loader = getattr(model, "load_source_pretrained", None)
+    if own_loader is not None:  # a source of another library (torchvision's video MViT)
+        own_loader(source)
+        return
     cfg = timm.models.get_pretrained_cfg(source)
     offline = "pass a local copy of the timm weights with --pretrained-file PATH, or start " \
         "from random weights with --from-scratch"

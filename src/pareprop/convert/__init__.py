@@ -8,16 +8,19 @@ One room for every conversion:
 * ``coupling``: :func:`set_coupling` and :class:`CouplingSchedule`, which move (alpha, beta);
 * ``precision_guard``: stores the blocks a small skip scale cannot rebuild;
 * ``weights``: a source's weights from a local file, in its publisher's layout;
+* ``stages``: a multi-scale source's blocks as runs of reversible stacks and the blocks kept;
 * one module per source family: ``vit`` (timm's VisionTransformer), ``swin`` (timm's
-  SwinTransformer and SwinTransformerV2), ``swin3d`` (torchvision's SwinTransformer3d).
+  SwinTransformer and SwinTransformerV2), ``swin3d`` (torchvision's SwinTransformer3d),
+  ``mvitv2`` (timm's MultiScaleVit), ``torchvision_mvit`` (torchvision's video MViT).
 
 Importing the package registers every family with :func:`convert` and every named converted
 model (``converted_vit``, ...) with :func:`pareprop.create_model`.
 """
 
 # Imported for their side effect: each family registers its converter and its named model.
-from pareprop.convert import swin, swin3d, vit  # noqa: F401
+from pareprop.convert import mvitv2, swin, swin3d, torchvision_mvit, vit  # noqa: F401
 from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
+from pareprop.convert.mvitv2 import ConvertedMultiScaleVit, load_mvitv2_weights
 from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
 from pareprop.convert.source import (
     UnsupportedModelError,
@@ -27,11 +30,12 @@ from pareprop.convert.source import (
 )
 from pareprop.convert.swin import ConvertedSwin
 from pareprop.convert.swin3d import ConvertedSwin3d
+from pareprop.convert.torchvision_mvit import ConvertedMViT, load_torchvision_mvit_weights
 from pareprop.convert.vit import ConvertedViT, load_timm_weights
 
 __all__ = [
-    "SCHEDULES", "ConvertedSwin", "ConvertedSwin3d", "ConvertedViT", "CouplingSchedule",
-    "GuardReport", "PrecisionGuard",
-    "UnsupportedModelError", "convert", "converted_model_name", "converted_model_names",
-    "coupling_of", "load_timm_weights", "set_coupling",
+    "SCHEDULES", "ConvertedMViT", "ConvertedMultiScaleVit", "ConvertedSwin", "ConvertedSwin3d",
+    "ConvertedViT", "CouplingSchedule", "GuardReport", "PrecisionGuard", "UnsupportedModelError",
+    "convert", "converted_model_name", "converted_model_names", "coupling_of",
+    "load_mvitv2_weights", "load_timm_weights", "load_torchvision_mvit_weights", "set_coupling",
 ]

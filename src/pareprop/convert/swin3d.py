@@ -233,6 +233,11 @@ class ConvertedSwin3d(ReversibleModelMixin, nn.Module):
             ],
         )
 
+    def load_source_pretrained(self, source: str) -> None:
+        """torchvision's published weights of ``source``, for ``--convert-from`` without
+        ``--pretrained-file`` (the trainer asks the model; timm's sources go through timm)."""
+        load_torchvision_pretrained(self, source)
+
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A fresh classifier for ``num_classes`` (0: none) after torchvision's mean pooling."""
         if global_pool not in (None, "avg"):

@@ -45,9 +45,9 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
+from pareprop.convert.weights import load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
-from pareprop.models.published import PretrainedError, read_state
 
 __all__ = [
     "ConvertedViT", "ConvertedBlock", "check_convertible", "converted_vit", "load_timm_weights",
@@ -304,37 +304,11 @@ register_source_names(
 
 
 def load_timm_weights(model: nn.Module, path: str) -> None:
-    """Load timm ViT weights from ``path`` (safetensors, or a torch file read with
-    weights_only=True, told apart by content; bare or under ``model``/``state_dict``) through
-    timm's own ViT checkpoint filter (which adapts other layouts and resamples position
-    embeddings). A classifier of another class count is left out: the model keeps its fresh
-    head. Every other tensor must match, and is checked before any is copied: a file that does
-    not fit leaves ``model`` untouched.
+    """Load timm ViT weights from ``path`` into ``model`` (a timm ViT or a converted one)
+    through timm's own ViT checkpoint filter (which adapts other layouts and resamples position
+    embeddings); see :func:`pareprop.convert.weights.load_classifier_source_weights`.
 
     Raises:
         PretrainedError: the file is missing, unreadable, unsafe, or does not fit.
     """
-    state = read_state(path)
-    name = type(model).__name__
-    try:
-        state = checkpoint_filter_fn(state, model)
-    except (RuntimeError, ValueError, KeyError, IndexError) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise PretrainedError(f"{path!r} does not fit {name}: {first}") from None
-    own = model.state_dict()
-    head = [k for k in ("head.weight", "head.bias")
-            if k in state and k in own and state[k].shape != own[k].shape]
-    for key in head:
-        del state[key]
-    missing = sorted(set(own) - set(state) - set(head))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
-              for k in sorted(state) if k in own and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        what = [f"{len(v)} {label}, first {v[0]}" for label, v in
-                (("missing", missing), ("unexpected", unexpected), ("misshapen", shapes)) if v]
-        raise PretrainedError(
-            f"{path!r} does not fit {name}: {'; '.join(what)}; is it the weights of another "
-            "ViT (give --convert-from the source it was trained as, and its --model-arg sizes)?"
-        )
-    model.load_state_dict(state, strict=False)
+    load_classifier_source_weights(model, path, checkpoint_filter_fn, "ViT")

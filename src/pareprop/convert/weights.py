@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pareprop.models.published import PretrainedError, read_state
 
-__all__ = ["load_source_weights", "load_state"]
+__all__ = ["load_classifier_source_weights", "load_source_weights", "load_state"]
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -49,10 +49,28 @@ def load_source_weights(
     if checkpoint_filter is not None:
         try:
             state = checkpoint_filter(state, model)
-        except (RuntimeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (RuntimeError, ValueError, KeyError, IndexError, AttributeError,
+                AssertionError) as e:
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise PretrainedError(f"{os.fspath(path)!r} does not fit {name}: {first}") from None
     load_state(model, state, head, where=repr(os.fspath(path)), hint=hint)
+
+
+def load_classifier_source_weights(
+    model: nn.Module,
+    path: "str | os.PathLike[str]",
+    checkpoint_filter: Optional[Callable[[StateDict, nn.Module], StateDict]],
+    what: str,
+) -> None:
+    """:func:`load_source_weights` with the head read off ``pretrained_cfg["classifier"]``
+    (the source or its conversion: their state dicts have the same names); ``what`` names the
+    family in messages ("ViT", "MViTv2", ...)."""
+    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
+    load_source_weights(
+        model, path, (f"{classifier}.weight", f"{classifier}.bias"), checkpoint_filter,
+        hint=f"is it the weights of another {what} (give --convert-from the source it was "
+        "trained as, and its --model-arg sizes)?",
+    )
 
 
 def load_state(model: nn.Module, state: StateDict, head: Sequence[str], where: str,
