@@ -80,3 +80,19 @@ def test_plan_of_a_converted_name_is_the_plan_of_the_model_it_names():
                                   img_size=32, depth=2, coupling=(1.0, 0.0), device="cpu")
     assert by_name.peak == explicit.peak
     assert by_name.activations < stored.activations  # at (1, 0) every block keeps its graph
+
+
+@pytest.mark.parametrize("name,source,frames,stride", [
+    ("converted_tv_mvit", "mvit_v2_s", 16, 4), ("converted_swin3d", "swin3d_t", 32, 2)])
+def test_converted_video_sources_give_training_and_eval_one_data_config(name, source, frames,
+                                                                        stride):
+    # --convert-from a torchvision video source: the clips the trainer samples and pareprop
+    # eval samples come from one config, the one of the weights' transforms.
+    from pareprop.video import video_data_config
+
+    with torch.device("meta"):
+        model = pareprop.create_model(name, source=source, tolerance=None)
+    config = video_data_config(model)
+    assert config["input_size"][1] == frames and config["frame_stride"] == stride
+    assert model.pretrained_cfg["frame_stride"] == stride
+    assert list(config["mean"]) == list(model.pretrained_cfg["mean"])

@@ -215,6 +215,10 @@ class ConvertedMViT(ReversibleModelMixin, nn.Module):
             "std": (0.225, 0.225, 0.225),
             "crop_pct": 224 / 256,
             "interpolation": "bilinear",
+            # Clips of num_frames frames, every 4th frame (7.5 fps of 30, as the weights' docs
+            # say): what training and pareprop eval read (pareprop.video.video_data_config).
+            "num_frames": self.clip_size[0],
+            "frame_stride": 4,
             "first_conv": "conv_proj",
             "classifier": "head.1",
         }
