@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
                    help="write loss, accuracy, learning rate, samples/s and peak memory for "
                    "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
-    p.add_argument("--convert-from", help="fine-tune this timm ViT (vit_small_patch16_224, "
-                   "deit_*, ...) converted to a reversible coupling (pareprop.convert), from "
-                   "timm's pretrained weights; offline, give them as --pretrained-file")
+    p.add_argument("--convert-from", help="fine-tune this pretrained model converted to a "
+                   "reversible coupling (pareprop.convert): timm's vit_*, deit*, swin_*, "
+                   "swinv2_*, mvitv2_*, torchvision's mvit_v1_b, mvit_v2_s, swin3d_t/s/b; from "
+                   "its library's pretrained weights; offline, give them as --pretrained-file")
     p.add_argument("--pretrained-file", help="start from the weights in this file: published "
                    "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
                    "with --convert-from, a local copy of the timm weights (read with "
