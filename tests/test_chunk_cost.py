@@ -41,6 +41,77 @@ def test_graph_bytes_keeps_saved_tensors_until_counted():
     assert alive
 
 
+class _QkvAttentionBlock(pareprop.ReversibleBlock):
+    """F: timm's attention without the output projection, q, k and v views of one qkv
+    storage (reshape, permute, unbind), split by samples; G: a linear map, whole."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def f(self, x, **kwargs):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(
+            2, 0, 3, 1, 4).unbind(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(
+            1, 2).reshape(b, n, c)
+
+    def f_split(self, x, **kwargs):
+        return pareprop.chunking.Split.samples(x.shape[0])
+
+    def f_chunk(self, x, chunk, **kwargs):
+        return self.f(x)
+
+    def g(self, x, **kwargs):
+        return self.lin(x)
+
+
+def _attention_bytes(samples, tokens=16, dim=32, heads=2):
+    """What the toy F's graph holds, float32: the qkv storage (q, k and v saved by attention,
+    each a view of it), attention's log-sum-exp, and its output (F's output is a view)."""
+    return 4 * samples * tokens * (3 * dim + heads + dim)
+
+
+def test_graph_bytes_counts_q_k_and_v_of_one_storage_whole():
+    # NOTE [ Counting a chunk by storage ]: q, k and v have one shape and one storage; keyed
+    # by storage and shape and counted by numel they were one third of it (12,544 bytes here
+    # against the 16,640 the graph holds).
+    torch.manual_seed(0)
+    block = _QkvAttentionBlock()
+    x = torch.randn(2, 16, 32)
+
+    def build():
+        leaf = x.clone().requires_grad_(True)
+        return block.f(leaf), [leaf]
+
+    assert graph_bytes(build, free=block.parameters()) == _attention_bytes(2) == 16_640
+
+
+def test_max_bytes_caps_what_a_chunk_of_attention_holds(monkeypatch):
+    # A cap of 4 samples' graph: counted by numel a sample looked 6,272 bytes, not 8,320, and
+    # the branch ran in chunks of 5 samples, each holding 41,600 bytes over the 33,280 asked.
+    seen = []
+    count_for = pareprop.chunking.Chunking.count_for
+
+    def spy(self, size, fixed=0.0, per_unit=0.0):
+        seen.append((size, count_for(self, size, fixed, per_unit)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(pareprop.chunking.Chunking, "count_for", spy)
+    torch.manual_seed(0)
+    stack = pareprop.ReversibleStack([_QkvAttentionBlock()], engine="reversible")
+    cap = _attention_bytes(4)
+    pareprop.set_chunking(stack, max_bytes=cap)
+    x = torch.randn(20, 16, 32, requires_grad=True)
+    y1, y2 = stack(x, x * 2)
+    (y1 * y2).sum().backward()
+    assert seen and all(size == 20 for size, _ in seen)  # F, in forward and in backward
+    for size, count in seen:
+        assert _attention_bytes(math.ceil(size / count)) <= cap, count
+
+
 def test_linear_cost_fits_and_refuses_a_flat_fit():
     assert linear_cost([100, 150]) == (50.0, 50.0)
     assert linear_cost([70]) == (0.0, 70.0)

@@ -438,7 +438,7 @@ def test_cuda_branch_streams_switch_and_restore_the_default_generator(monkeypatc
     assert rng.backward_states[0, "f"].get_offset() == 12
 
 
-def test_cuda_capture_registers_the_streams_first_and_turns_the_weight_cache_off(monkeypatch):
+def test_cuda_capture_registers_the_streams_first(monkeypatch):
     events = []
 
     class FakeGraph:
@@ -460,11 +460,8 @@ def test_cuda_capture_registers_the_streams_first_and_turns_the_weight_cache_off
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(graphs, "_side_stream", lambda device: events.append(("side",)))
     backend = graphs._CudaGraphs(torch.device("cuda", 0))
-    cache = torch.is_autocast_cache_enabled()
-    backend.capture(lambda: events.append(("run", torch.is_autocast_cache_enabled())), ["s1"])
-    assert events == [("register", "s1"), ("side",), ("capture", "pool"), ("run", False),
-                      ("end",)]
-    assert torch.is_autocast_cache_enabled() == cache
+    backend.capture(lambda: events.append(("run",)), ["s1"])
+    assert events == [("register", "s1"), ("side",), ("capture", "pool"), ("run",), ("end",)]
 
 
 def test_this_torch_has_the_graph_api_the_cuda_side_calls():
@@ -486,3 +483,158 @@ def test_the_memory_dial_measures_eagerly_then_graphs_are_on(stand_in):
                for s in _stacks(model))
     pareprop.set_engine(model, "auto", memory_budget=0.5, example_inputs=(x,), cuda_graphs=False)
     assert not any(s.cuda_graphs for s in _stacks(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA backend's own capture code on the CPU (torch.cuda's graph objects faked, a replay
+# runs the step again as the stand-in's does): compiled F and G, and DDP, under graphs.
+
+
+class _FakeCudaGraph:
+    def register_generator_state(self, state):
+        pass
+
+
+class _FakeCapture:  # torch.cuda.graph(graph, pool=...)
+    def __init__(self, graph, pool=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+class _CudaCodeOnTheCpu(graphs._CudaGraphs):
+    def branch_rng(self, seeds):
+        return replay._CpuBranchRng(seeds)
+
+    def capture(self, fn, states):
+        graph = super().capture(fn, states)
+        graph.replay = fn
+        return graph
+
+
+@pytest.fixture
+def cuda_code_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _FakeCapture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(graphs, "_side_stream", lambda device: None)
+    monkeypatch.setattr(graphs, "backend_for", _CudaCodeOnTheCpu)
+
+
+@pytest.mark.parametrize("engine", pareprop.ENGINES)
+def test_every_graphed_branch_call_sees_one_weight_cache_state(cuda_code_on_the_cpu, engine,
+                                                                monkeypatch):
+    # NOTE [ Autocast's weight cache under CUDA graphs ]: the capture turns the cache off, so
+    # warm-up forwards and recomputations (on this thread, on the CPU) must run with it off
+    # too, or compiled F and G, guarded on it, compile again inside the capture.
+    seen = []
+    for name in ("f", "g"):
+        real = getattr(RevViTBlock, name)
+
+        def spy(self, x, *args, real=real, **kwargs):
+            seen.append(torch.is_autocast_cache_enabled())
+            return real(self, x, *args, **kwargs)
+
+        monkeypatch.setattr(RevViTBlock, name, spy)
+    model = _vit(engine)
+    pareprop.set_engine(model, engine, cuda_graphs=True)
+    for _ in range(graphs.WARMUP_STEPS + 2):
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+        assert torch.is_autocast_cache_enabled()  # the caller's state, given back
+    assert model.stack.cuda_graph_status.startswith("captured")
+    assert seen and set(seen) == {False}, str(seen)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5),
+                    reason="compile_blocks needs torch >= 2.5")
+@pytest.mark.parametrize("engine", pareprop.ENGINES)
+def test_compiled_blocks_compile_nothing_in_the_capture(cuda_code_on_the_cpu, engine):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    reference, graphed = _vit(), pareprop.compile_blocks(_vit(engine), backend="eager")
+    pareprop.set_engine(graphed, engine, cuda_graphs=True)
+    compiled = []
+    for step, (ref, got) in enumerate(_steps([reference, graphed], (3, 8, 8))):
+        name, err = _worst(got, ref)
+        assert err < TOL, f"step {step}: {name} off by {err:.3e}"
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert graphed.stack.cuda_graph_status.startswith("captured")
+    # compiled in warm-up (forward, and recomputation's graphs), then never again
+    assert compiled[0] > 0 and compiled[graphs.WARMUP_STEPS - 1:] == [compiled[0]] * (
+        len(compiled) - graphs.WARMUP_STEPS + 1), compiled
+    torch._dynamo.reset()
+
+
+class _CaptureWatch(graphs._EagerStandIn):
+    """The stand-in, noting every node that ``torch.autograd.grad`` is asked for a gradient
+    at while a capture runs."""
+
+    def __init__(self, asked):
+        self.asked = asked
+
+    def capture(self, fn, states):
+        real = torch.autograd.grad
+
+        def watched(outputs, inputs, *args, **kwargs):
+            inputs = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+            self.asked.extend(torch.autograd.graph.get_gradient_edge(t).node for t in inputs)
+            return real(outputs, inputs, *args, **kwargs)
+
+        torch.autograd.grad = watched
+        try:
+            return super().capture(fn, states)
+        finally:
+            torch.autograd.grad = real
+
+
+@pytest.mark.parametrize("engine", pareprop.ENGINES)
+def test_ddp_replays_and_its_reducer_nodes_stay_out_of_the_capture(engine, tmp_path,
+                                                                   monkeypatch):
+    # NOTE [ Parameter aliases in a capture ]: DDP's reducer holds each parameter's
+    # AccumulateGrad node, made on the default stream; autograd.grad inside a capture must not
+    # end at one. And the gradients of every replay reach DDP's reduction, as eager ones do.
+    import torch.distributed as tdist
+
+    from pareprop.distributed import wrap_ddp
+
+    asked = []
+    monkeypatch.setattr(graphs, "backend_for", lambda device: _CaptureWatch(asked))
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                             world_size=1)
+    try:
+        reference, model = _vit(), _vit(engine)
+        pareprop.set_engine(model, engine, cuda_graphs=True)
+        net = wrap_ddp(model)
+        reduced = []
+
+        def count(state, bucket):
+            reduced.append(len(bucket.parameters()))
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        net.register_comm_hook(None, count)
+        held = [torch.autograd.graph.get_gradient_edge(p).node for p in model.parameters()]
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (reference, model)]
+        for step in range(graphs.WARMUP_STEPS + 3):
+            x = torch.randn(2, 3, 8, 8)
+            reduced.clear()
+            for run, opt in ((reference, opts[0]), (net, opts[1])):
+                opt.zero_grad(set_to_none=True)
+                run(x).pow(2).sum().backward()
+            assert sum(reduced) == len(held), f"step {step}: DDP reduced {reduced}"
+            for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+                assert relative_error(p.grad, r.grad) < TOL, f"step {step}: {name}"
+            for opt in opts:
+                opt.step()
+        assert model.stack.cuda_graph_status.startswith("captured")
+        met = sum(node is h for node in asked for h in held)
+        assert asked and not met, f"autograd.grad in the capture met {met} of DDP's nodes"
+    finally:
+        tdist.destroy_process_group()

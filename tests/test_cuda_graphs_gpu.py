@@ -11,7 +11,11 @@ capture is the step after ``graphs.WARMUP_STEPS`` eager ones):
   (they draw the same masks from the same seed: NOTE [ Randomness in CUDA graphs ]), and new
   masks at each replay;
 * bf16 autocast with AdamW, as the small-batch benchmark runs it, graphed against eager;
-* the step really replays: after capture, a step rebuilds no block on the host.
+* the step really replays: after capture, a step rebuilds no block on the host;
+* compiled F and G (``compile_blocks``, Inductor) under graphs and bf16 autocast: compiled in
+  warm-up, nothing compiled in the capture or the replays, against the same engine eager;
+* DDP (NCCL, one process) around a graphed model: every engine against eager autograd in
+  float64, DDP's reduction fed by every replay.
 The same code runs on the CPU through a stand-in (tests/test_cuda_graphs.py).
 """
 
@@ -153,3 +157,74 @@ def test_a_replayed_step_runs_no_engine_code(engine, monkeypatch):
     pareprop.set_engine(model, engine, cuda_graphs=False)
     _train([model], steps=1)
     assert calls  # the control: an eager step does rebuild on the host
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5),
+                    reason="compile_blocks needs torch >= 2.5")
+def test_compiled_blocks_under_graphs_compile_nothing_in_the_capture():
+    # NOTE [ Autocast's weight cache under CUDA graphs ]: warm-up and capture run with the
+    # same weight-cache state, so Inductor compiles in warm-up only; a compile inside the
+    # capture would fail it (or be counted here).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        reference = _vit("pareprop")
+        graphed = pareprop.compile_blocks(_vit("pareprop"))
+        pareprop.set_engine(reference, "pareprop", fallback=False)
+        pareprop.set_engine(graphed, "pareprop", cuda_graphs=True)
+        compiled = []
+        history = []
+        for _ in range(STEPS):  # one step at a time, to count what each compiled
+            history += _train([reference, graphed], steps=1, amp=True)
+            compiled.append(counters["stats"]["unique_graphs"])
+        assert _captured(graphed)
+        assert compiled[0] > 0 and len(set(compiled[graphs.WARMUP_STEPS - 1:])) == 1, compiled
+        _assert_close(history, 2e-2)  # compiled bf16 kernels round otherwise than eager
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("engine", pareprop.ENGINES)
+def test_ddp_around_a_graphed_model_matches_eager_autograd(engine, tmp_path):
+    # NOTE [ Parameter aliases in a capture ]: DDP's reducer holds every parameter's
+    # AccumulateGrad node, made on the default stream; the capture differentiates with
+    # respect to aliases, and DDP reduces the gradients each replay hands back.
+    import torch.distributed as tdist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from pareprop.distributed import wrap_ddp
+
+    tdist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                             world_size=1)
+    try:
+        reference = _vit(dtype=torch.float64)
+        model = _vit(engine, dtype=torch.float64)
+        pareprop.set_engine(model, engine, cuda_graphs=True)
+        net = wrap_ddp(model)
+        reduced = []
+
+        def counted(state, bucket):
+            reduced.append(len(bucket.parameters()))
+            return allreduce_hook(state, bucket)
+
+        net.register_comm_hook(None, counted)
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+                for m in (reference, model)]
+        data = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(STEPS):
+            x = torch.randn(8, 3, 32, 32, device="cuda", dtype=torch.float64, generator=data)
+            reduced.clear()
+            for run, opt in zip((reference, net), opts):
+                opt.zero_grad(set_to_none=True)
+                run(x).pow(2).mean().backward()
+            assert sum(reduced) == len(list(model.parameters())), f"step {step}: {reduced}"
+            for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+                err = relative_error(p.grad, r.grad)
+                assert err < 1e-10, f"step {step}: {name} off by {err:.3e}"
+            for opt in opts:
+                opt.step()
+        assert _captured(model)
+    finally:
+        tdist.destroy_process_group()

@@ -288,14 +288,26 @@ def dropout(
 # CUDA at Rev-ViT-B batch 4000 one block's G did, holding two whole-batch MLP maps (4.5 GiB
 # each; issue 31). A fit that is not increasing is refused in :func:`linear_cost` for the same
 # reason: a branch asked to chunk never silently runs whole.
+#
+# NOTE [ Counting a chunk by storage ]
+# What a saved tensor keeps alive is its storage, whole, not its numel: attention's q, k and v
+# are views of one qkv storage (a reshape, a permute and an unbind of one projection), and each
+# holds all three. Until issue 38 the count was keyed by storage and shape and took each view's
+# numel, so q, k and v, alike in shape, counted as one third of their storage (the toy
+# attention F of tests/test_chunk_cost.py: 12,544 bytes counted against 16,640 held), and
+# under ``max_bytes="1GiB"`` a Rev-ViT-B F chunk in bf16 held about 1.4 GiB (issue 38).
+# Plans were right all along (they trace allocations, not this count), but ``max_bytes`` was
+# no cap. Now each storage is counted once, at its ``nbytes``, whatever its views: a chunk's
+# count is at least what its graph holds.
 
 
 def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],
                 free: Iterable[Tensor] = ()) -> int:
-    """Bytes kept by the graph that ``build()`` makes: every tensor saved for backward, each
-    storage once, plus the output, leaving out the storages of ``free`` (parameters) and of the
-    leaves ``build`` returns beside its output (in the real chunk, views of a stream kept
-    anyway). The graph is never differentiated: the hook keeps nothing in it."""
+    """Bytes kept by the graph that ``build()`` makes: the storages of every tensor saved for
+    backward and of the output, each once and whole (NOTE [ Counting a chunk by storage ]),
+    leaving out the storages of ``free`` (parameters) and of the leaves ``build`` returns
+    beside its output (in the real chunk, views of a stream kept anyway). The graph is never
+    differentiated: the hook keeps nothing in it."""
     kept: List[Tensor] = []  # alive until counted: no storage address is reused meanwhile
 
     def pack(t: Tensor) -> None:
@@ -310,13 +322,15 @@ def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, leaves = build()
         kept.append(out)
-        skip = {t.untyped_storage()._cdata for t in (*free, *leaves)}  # fake: no address
-        seen: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        # By storage, whole (NOTE [ Counting a chunk by storage ]); fake tensors have no
+        # address, so a storage is told by its C++ object.
+        skip = {t.untyped_storage()._cdata for t in (*free, *leaves)}
+        held: Dict[int, int] = {}
         for t in kept:
-            ptr = t.untyped_storage()._cdata
-            if ptr not in skip:
-                seen[(ptr, tuple(t.shape))] = t.numel() * t.element_size()
-        return sum(seen.values())
+            storage = t.untyped_storage()
+            if storage._cdata not in skip:
+                held[storage._cdata] = storage.nbytes()
+        return sum(held.values())
     finally:
         # The graph's nodes hold ``pack`` (autograd keeps a saved tensor's hooks), ``pack``
         # holds ``kept``, and ``kept`` holds the output and so the nodes: a cycle through C++

@@ -19,6 +19,10 @@ NOTE [ Reversible engines under DDP ]
     * ``static_graph``: valid (the same parameters take part in every step) but it buys nothing
       the defaults do not, so it stays off unless asked for (``wrap_ddp(..., static_graph=True)``
       works and is tested).
+    * ``cuda_graphs=True``: the same, a graphed stack being one autograd Function too; its
+      capture differentiates with respect to aliases of the parameters, never at the
+      AccumulateGrad nodes the reducer holds (NOTE [ Parameter aliases in a capture ] in
+      pareprop/engine/graphs.py).
     * Wrap the WHOLE model, once. A DDP (or FSDP) wrapper around a block or a stack's inner
       module cannot work: the engine calls a block's ``f`` and ``g`` directly in recomputation,
       bypassing the wrapper's ``forward`` (FSDP would not gather the sharded weights; DDP would

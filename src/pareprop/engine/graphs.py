@@ -14,8 +14,9 @@ NOTE [ CUDA graphs of a stack ]
     * warm-up: the first ``WARMUP_STEPS`` training forwards of a stack run eagerly (kernels
       are chosen, workspaces made, compiled F and G compiled); the next one captures;
     * capture: the inputs and tensor keywords are cloned into static buffers; forward is
-      captured on them, then at once backward, with ``torch.autograd.grad`` of the captured
-      outputs against the inputs and parameters, with autocast off as in ``loss.backward()``;
+      captured on them, with aliases of the parameters swapped in (NOTE [ Parameter aliases in
+      a capture ]), then at once backward, with ``torch.autograd.grad`` of the captured
+      outputs against the inputs and the aliases, with autocast off as in ``loss.backward()``;
       both graphs share one private memory pool per stack. The engine runs unchanged inside:
       PaReprop's side stream joins the capture through its ``wait_stream`` from the capturing
       stream and rejoins it at the end (``_Lanes.join``), so the backward graph keeps the two
@@ -24,7 +25,9 @@ NOTE [ CUDA graphs of a stack ]
       the static buffers, replays the forward graph and returns copies of its outputs; backward
       copies the gradients coming in, replays the backward graph and returns new tensors with
       its gradients, which autograd adds into ``.grad`` as it does for any Function
-      (gradient accumulation and DDP's hooks work as without graphs).
+      (gradient accumulation and DDP's hooks work as without graphs). Warm-up, capture and
+      replays all run with autocast's weight cache off (NOTE [ Autocast's weight cache under
+      CUDA graphs ]), so compiled F and G are compiled in warm-up, never in the capture.
 
     A replay redoes the kernels, not the host code that chose them. So what the host decided
     at capture is checked at every call (:class:`_Guards`): the inputs' shapes, dtypes and
@@ -55,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -118,16 +121,8 @@ class _CudaGraphs:
         for state in states:  # before the capture begins (NOTE [ Randomness in CUDA graphs ])
             graph.register_generator_state(state)
         _side_stream(self.device)  # PaReprop's side stream, made outside the capture
-        # Autocast's weight cache would hand the capture casts made before it, whose memory is
-        # freed when the user's autocast region ends (torch.cuda.make_graphed_callables refuses
-        # the cache for this reason): captured casts are made in the graph instead.
-        cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                fn()
-        finally:
-            torch.set_autocast_cache_enabled(cache)
+        with torch.cuda.graph(graph, pool=self.pool):  # the weight cache is off: _StackGraphs
+            fn()
         return graph
 
 
@@ -142,6 +137,32 @@ class _EagerStandIn:
     def capture(self, fn: Callable[[], None], states: List[Any]) -> Any:
         fn()
         return types.SimpleNamespace(replay=fn)
+
+
+# NOTE [ Autocast's weight cache under CUDA graphs ]
+# Autocast's weight cache would hand a capture casts made before it, whose memory is freed
+# when the user's autocast region ends (torch.cuda.make_graphed_callables refuses the cache for
+# this reason), so a stack captures with the cache off: its casts are made in the graph. The
+# cache's state is also one of the global flags Dynamo guards a compiled frame on: compiled F
+# and G (pareprop.compile_blocks) warmed up with the cache on would be compiled again inside
+# the capture, where Inductor's compilation and autotuning synchronize the device. So every
+# training forward of a graphed stack runs with the cache off, the eager warm-up steps as the
+# capture (and the replays, which matters to the CPU stand-in only), and recomputation runs
+# with the state its forward had (NOTE [ Autocast in recomputation ] in replay.py), on
+# whichever thread autograd runs it: every compiled call is compiled in warm-up, and the
+# capture and its replays compile nothing. Under autocast the warm-up steps cast each weight
+# at each use, as the captured step does.
+
+
+@contextlib.contextmanager
+def _weight_cache_off() -> Iterator[None]:
+    """Autocast's weight cache off (NOTE [ Autocast's weight cache under CUDA graphs ])."""
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cache)
 
 
 def _meta(t: Tensor) -> Tuple[Any, ...]:
@@ -261,7 +282,8 @@ class _StackGraphs:
                 self.warm, self.warmed = _Guards(stack, x1, x2, kwargs), 0
             if self.warmed < WARMUP_STEPS:
                 self.warmed += 1
-                return stack._run(x1, x2, kwargs)
+                with _weight_cache_off():
+                    return stack._run(x1, x2, kwargs)
             self.captured = _Captured(stack, self.backend, x1, x2, kwargs)
         else:
             changed = self.captured.guards.changed(x1, x2, kwargs)
@@ -294,6 +316,27 @@ def _no_autocast(device: torch.device) -> contextlib.ExitStack:
     return stack
 
 
+# NOTE [ Parameter aliases in a capture ]
+# The captured backward differentiates with torch.autograd.grad, inside the capture. With
+# respect to the parameters themselves it would end at their AccumulateGrad nodes, and a node
+# made before the capture, on the stream that was current then, is one autograd hands the
+# gradient to on that stream: it makes that stream wait for the capturing stream, an event
+# recorded inside the capture, which the capture refuses (or joins the stream into it). Such
+# nodes live as long as something holds them: DDP's reducer holds every parameter's, made on
+# the default stream when DDP wraps the model, to hook its gradient reduction on them (so do
+# register_post_accumulate_grad_hook and torch's optimizer-in-backward). So, as PaReprop's
+# lanes do (NOTE [ Parameter aliases on the lanes ] in lanes.py), the captured forward runs
+# with per-capture aliases swapped into the modules: ``nn.Parameter(p.detach())``, the same
+# storage and version counter, a new leaf whose AccumulateGrad node is made inside the capture
+# (and of the same type, so compiled F and G are not compiled again for it). Backward
+# differentiates with respect to the aliases, and the replay hands their gradients to autograd
+# as the gradients of the real parameters, inputs of :class:`_GraphedStack`: their
+# AccumulateGrad nodes, and DDP's hooks on them, run eagerly after the replay, as for any
+# Function. Recomputation swaps the aliases in again itself (NOTE [ Recomputing with the
+# forward's parameters ] in rebuild.py); outside the captured forward the modules hold the
+# real parameters, which is what the checks at every call compare.
+
+
 class _Captured:
     """A stack's captured step: static inputs, outputs and gradients, and its two graphs."""
 
@@ -304,6 +347,11 @@ class _Captured:
         named = [(n, p) for n, p in stack.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # NOTE [ Parameter aliases in a capture ]
+        aliases = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in self.params}
+        self.aliases = [aliases[id(p)] for p in self.params]
+        self.slots = [(m._parameters, n, aliases[id(p)]) for m in stack.modules()
+                      for n, p in m._parameters.items() if p is not None and id(p) in aliases]
         with torch.no_grad():
             self.inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in (x1, x2)]
             leaves, self.spec = tree_flatten(kwargs)
@@ -312,7 +360,7 @@ class _Captured:
         # (Rev-Swin's window masks) is copied once, not at every step.
         self.sources: List[Optional[Tuple[Tensor, int]]] = [
             (v, v._version) if isinstance(v, Tensor) else None for v in leaves]
-        self.wants = [x for x in self.inputs if x.requires_grad] + self.params
+        self.wants = [x for x in self.inputs if x.requires_grad] + self.aliases
         seeds = torch.randint(0, 2**62, (2 * len(stack.blocks),)).tolist()
         self.rng = backend.branch_rng({(i, branch): seeds[2 * i + k]
                                        for i in range(len(stack.blocks))
@@ -321,9 +369,10 @@ class _Captured:
         self.grads: Optional[List[Optional[Tensor]]] = None
         self._live: Optional[List[Tensor]] = None  # captured outputs, with their graph
         self.turn: Optional[weakref.ref] = None
-        self.forward_graph = backend.capture(self._forward, self.rng.states("forward"))
-        self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
-        self.backward_graph = backend.capture(self._backward, self.rng.states("backward"))
+        with _weight_cache_off():  # as in warm-up (the guards above hold the caller's state)
+            self.forward_graph = backend.capture(self._forward, self.rng.states("forward"))
+            self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+            self.backward_graph = backend.capture(self._backward, self.rng.states("backward"))
 
     # -- what is captured ---------------------------------------------------------------------
 
@@ -331,11 +380,16 @@ class _Captured:
         stack = self.stack()
         kwargs = tree_unflatten(self.keywords, self.spec)
         stack._graph_rng = self.rng
+        real = [(slot, name, slot[name]) for slot, name, _ in self.slots]
+        for slot, name, alias in self.slots:  # recomputation swaps them in again itself
+            slot[name] = alias
         try:
             with torch.enable_grad():
                 outs = list(stack._run(*self.inputs, kwargs))
         finally:
             stack._graph_rng = None
+            for slot, name, param in real:
+                slot[name] = param
         self._live = outs
         detached = [o.detach() for o in outs]
         if self.outputs is None:
@@ -379,7 +433,8 @@ class _Captured:
         self.inputs[0].copy_(x1)
         self.inputs[1].copy_(x2)
         self.rng.step_begin()
-        self.forward_graph.replay()
+        with _weight_cache_off():  # a CUDA replay runs no host code, but the stand-in's does
+            self.forward_graph.replay()
         turn = _Turn([p._version for p in self.params])
         self.turn = weakref.ref(turn)
         return turn
@@ -403,7 +458,8 @@ class _Captured:
                 static.zero_()
             else:
                 static.copy_(grad)
-        self.backward_graph.replay()
+        with _weight_cache_off():
+            self.backward_graph.replay()
         # New tensors for autograd to add into .grad: the static ones are overwritten by the
         # next replay. x * 1.0 is x exactly, and one call allocates and fills every copy.
         present = [g for g in self.grads if g is not None]

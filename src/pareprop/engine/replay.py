@@ -135,7 +135,13 @@ class _CudaBranchRng(_CpuBranchRng):
 # NOTE [ Autocast in recomputation ]
 # Backward runs outside the user's autocast region (autocast state is thread-local and the
 # autograd engine has its own threads), so recomputation re-enters the autocast state that was
-# active at forward: device type, dtype and enabled flag, for the CPU and for the stack's device.
+# active at forward: device type, dtype and enabled flag, for the CPU and for the stack's device,
+# and whether autocast's weight cache was on. The cache's flag is thread-local too, and not
+# among what autograd hands its threads (at::ThreadLocalState), so recomputation on a CUDA
+# device thread would see that thread's own (on) and on the CPU the caller's: a stack captured
+# as CUDA graphs runs its forward with the cache off, and its compiled F and G, whose guards
+# include the flag, would be compiled again when the capture recomputes on another thread than
+# the warm-up did (NOTE [ Autocast's weight cache under CUDA graphs ] in graphs.py).
 
 
 def _has_autocast(device_type: str) -> bool:
@@ -158,16 +164,22 @@ def _autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
 @dataclass(frozen=True)
 class _AutocastState:
     states: Tuple[Tuple[str, bool, torch.dtype], ...]
+    cache: bool = True  # autocast's weight cache on
 
     @staticmethod
     def capture(device: torch.device) -> "_AutocastState":
         types = ["cpu"] if device.type == "cpu" or not _has_autocast(device.type) else [
             "cpu", device.type]
-        return _AutocastState(tuple((t, *_autocast_state(t)) for t in types))
+        return _AutocastState(tuple((t, *_autocast_state(t)) for t in types),
+                              torch.is_autocast_cache_enabled())
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            cache = torch.is_autocast_cache_enabled()
+            if cache != self.cache:
+                torch.set_autocast_cache_enabled(self.cache)
+                stack.callback(torch.set_autocast_cache_enabled, cache)
             for device_type, enabled, dtype in self.states:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
             yield
