@@ -228,7 +228,7 @@ def test_gpu_mode_runs_the_steps_in_order_then_the_summary(tmp_path):
     assert all(c.startswith(f"{s} --device cuda --json {out}/") for c, s in zip(
         (largest, small, profile), _scripts(calls)))
     assert "--cap 40GiB" in largest
-    assert "--case rev_vit_base_patch16_224 reversible 9241 --chunk-bytes 1GiB" in largest
+    assert "--case rev_vit_base_patch16_224 reversible 9313 --chunk-bytes 1GiB" in largest
     assert "--case vit_base_patch16_224 checkpointed 2767" in largest
     assert "--case swin_tiny_patch4_window7_224 checkpointed" in largest
     assert largest.index("--case vit_base_patch16_224 plain") > largest.index("swin_tiny")
