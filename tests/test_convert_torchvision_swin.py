@@ -408,3 +408,16 @@ def test_features_only_by_name():
                                 **NAMED)
     assert net.feature_info.channels() == [16, 32] and net.feature_info.reduction() == [4, 8]
     assert [f.shape for f in net(_images())] == [(2, 16, 8, 8), (2, 32, 4, 4)]
+
+
+def test_catalog_builds_converted_torchvision_swin_at_the_reversible_coupling():
+    from pareprop.catalog import ModelRequest, build_model, model_facts
+
+    assert model_facts("converted:swin_v2_t").family == "ConvertedTorchvisionSwin"
+    request = ModelRequest("converted:swin_v2_t", "reversible", img_size=32,
+                           overrides=dict(SMALL))
+    model = build_model(request)
+    assert pareprop.coupling_of(model) == (0.0, 1.0)
+    assert getattr(model, "precision_guard", None) is None
+    assert all(s.stored_blocks == () and s.engine == "reversible" for s in _stacks(model))
+    assert model.example_inputs(2)[0].shape == (2, 3, 32, 32)

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
     p.add_argument("--convert-from", help="fine-tune this pretrained model converted to a "
                    "reversible coupling (pareprop.convert): timm's vit_*, deit*, swin_*, "
-                   "swinv2_*, mvitv2_*, torchvision's mvit_v1_b, mvit_v2_s, swin3d_t/s/b; from "
+                   "swinv2_*, mvitv2_*, torchvision's swin_t/s/b, swin_v2_t/s/b, mvit_v1_b, "
+                   "mvit_v2_s, swin3d_t/s/b; from "
                    "its library's pretrained weights; offline, give them as --pretrained-file")
     p.add_argument("--pretrained-file", help="start from the weights in this file: published "
                    "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
