@@ -1,4 +1,4 @@
-"""Converted Swin, Swin V2 and Video Swin under DDP and FSDP2 (2 gloo processes, float64): at
+"""Converted Swin, Swin V2 (timm's; torchvision's V2) and Video Swin under DDP and FSDP2 (2 gloo processes, float64): at
 (alpha, beta) = (0.3, 0.5), every engine, several stacks with checkpointed patch merging
 between them, one SGD step equals one process on the whole batch with plain autograd."""
 
@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import pareprop
 from pareprop import fsdp
 from pareprop.convert.swin3d import build_swin3d
+from pareprop.convert.torchvision_swin import build_tv_swin
 from pareprop.distributed import wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -31,6 +32,9 @@ def _source(family):
     if family == "swin3d":
         return build_swin3d("swin3d_t", embed_dim=8, depths=[2, 2], num_heads=[1, 2],
                             num_classes=5, stochastic_depth_prob=0.0)
+    if family == "tv_swinv2":  # torchvision's post-norm V2: shifted 4 x 4 windows on 8 x 8
+        return build_tv_swin("swin_v2_t", embed_dim=8, depths=[2, 2], num_heads=[1, 2],
+                             window_size=[4, 4], num_classes=5, stochastic_depth_prob=0.0)
     from timm.models.swin_transformer import SwinTransformer
     from timm.models.swin_transformer_v2 import SwinTransformerV2
 
@@ -47,7 +51,8 @@ def _model(family, engine):
 
 def _batch(family):
     g = torch.Generator().manual_seed(1)
-    shape = (BATCH, 3, 4, 16, 16) if family == "swin3d" else (BATCH, 3, 16, 16)
+    shape = {"swin3d": (BATCH, 3, 4, 16, 16), "tv_swinv2": (BATCH, 3, 32, 32)}.get(
+        family, (BATCH, 3, 16, 16))
     return torch.randn(shape, generator=g, dtype=torch.float64), \
         torch.randint(0, 5, (BATCH,), generator=g)
 
@@ -64,7 +69,7 @@ def _step(model, net, x, y):
 
 
 def _cases():
-    for family in ("swin", "swinv2", "swin3d"):
+    for family in ("swin", "swinv2", "swin3d", "tv_swinv2"):
         for engine in ENGINES:
             for wrapper in ("ddp", "fsdp"):
                 yield family, engine, wrapper
