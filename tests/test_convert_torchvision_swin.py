@@ -188,6 +188,28 @@ def test_chunked_branches_checkpointed_mergings_and_stored_blocks_match_autograd
     assert {size for size, _ in seen} == ({8, 4} if attention_dropout else {3, 8, 4})
 
 
+@pytest.mark.parametrize("source", FAMILIES)
+def test_schedule_and_precision_guard_act_on_every_stack(source):
+    model = pareprop.convert(_torchvision(source, depths=[2, 3]), tolerance=1e-3).train()
+    schedule = pareprop.CouplingSchedule(model, "linear", steps=2)
+    assert all(stack.stored_blocks == tuple(range(len(stack.blocks))) for stack in _stacks(model))
+    schedule.step()  # (0.5, 0.5) on every block of every stack
+    assert {(b._alpha_value, pareprop.engine.skip_scale_value(b))
+            for stack in _stacks(model) for b in stack.blocks} == {(0.5, 0.5)}
+    guard = model.precision_guard
+    assert len(guard.stacks) == 2
+    x = _images(2)
+    # A tolerance nothing meets stores every block of every stack; one everything meets, none.
+    for tolerance, stored in ((1e-30, True), (10.0, False)):
+        guard.tolerance = tolerance
+        guard.invalidate()
+        model(x).sum().backward()
+        assert all(r is not None and r.tolerance == tolerance for r in guard.reports)
+        for stack in _stacks(model):
+            want = tuple(range(len(stack.blocks))) if stored else ()
+            assert stack.stored_blocks == want
+
+
 def test_stem_and_mergings_are_checkpointed_under_set_grad_checkpointing(monkeypatch):
     from pareprop.convert import torchvision_swin, torchvision_swin_base
 
@@ -421,3 +443,34 @@ def test_catalog_builds_converted_torchvision_swin_at_the_reversible_coupling():
     assert getattr(model, "precision_guard", None) is None
     assert all(s.stored_blocks == () and s.engine == "reversible" for s in _stacks(model))
     assert model.example_inputs(2)[0].shape == (2, 3, 32, 32)
+
+
+def test_trainer_fine_tunes_from_a_torchvision_file_with_the_weights_data_config(tmp_path):
+    # pareprop train --convert-from swin_t --pretrained-file: torchvision's body, a fresh head
+    # for the data's classes, and the weights' preset (bicubic, 224 of 232) at the model's size.
+    from PIL import Image
+
+    from pareprop.trainer import TrainConfig, Trainer
+
+    for c in range(2):
+        (tmp_path / "data" / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (40, 44), (80 * c, 40 * i, 9)).save(
+                tmp_path / "data" / f"c{c}" / f"{i}.png")
+    src = _torchvision(num_classes=1000)
+    torch.save(src.state_dict(), tmp_path / "swin_t.pth")
+    trainer = Trainer(TrainConfig(
+        convert_from="swin_t", pretrained_file=str(tmp_path / "swin_t.pth"),
+        model_kwargs=dict(embed_dim=16, depths=[2, 2], num_heads=[1, 2], img_size=32),
+        dataset=str(tmp_path / "data"), epochs=1, max_steps=1, batch_size=4, warmup_epochs=0,
+        out=str(tmp_path / "run"), progress=False))
+    config = trainer.data.data_config
+    assert config["input_size"] == [3, 32, 32] and config["interpolation"] == "bicubic"
+    assert config["crop_pct"] == pytest.approx(224 / 232)
+    assert trainer.model.num_classes == 2
+    assert all(torch.equal(v, src.state_dict()[k]) for k, v in trainer.model.state_dict().items()
+               if not k.startswith("head."))
+    trainer.fit()
+    loaded = pareprop.load_model(tmp_path / "run" / "last")
+    assert type(loaded).__name__ == "ConvertedTorchvisionSwin"
+    assert pareprop.coupling_of(loaded) == pareprop.coupling_of(trainer.model)
