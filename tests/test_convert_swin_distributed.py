@@ -1,6 +1,7 @@
-"""Converted Swin, Swin V2 (timm's; torchvision's V2) and Video Swin under DDP and FSDP2 (2 gloo processes, float64): at
-(alpha, beta) = (0.3, 0.5), every engine, several stacks with checkpointed patch merging
-between them, one SGD step equals one process on the whole batch with plain autograd."""
+"""Converted Swin, Swin V2 (timm's; torchvision's V2) and Video Swin under DDP and FSDP2 (2
+gloo processes, float64): at (alpha, beta) = (0.3, 0.5), every engine, several stacks with
+checkpointed patch merging between them, one SGD step equals one process on the whole batch
+with plain autograd."""
 
 import os
 
