@@ -13,7 +13,9 @@ torchvision's ``SwinTransformer3d`` keeps its stages and patch mergings side by 
 ``attn`` torchvision's 3-D (shifted-)window attention, which builds its mask from the input. A
 converted model keeps ``features`` with the same indices: each stage a reversible stack of
 coupled blocks (F the attention sub-layer, G the MLP sub-layer), each patch merging
-torchvision's module, checkpointed under ``set_grad_checkpointing``.
+torchvision's module, checkpointed under ``set_grad_checkpointing``. The blocks, stages and
+model methods are those of torchvision's 2-D Swin (pareprop/convert/torchvision_swin_base.py);
+this module adds the video stem, the checks and the named model.
 """
 
 from __future__ import annotations

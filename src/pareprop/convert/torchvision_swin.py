@@ -103,9 +103,8 @@ class ConvertedTorchvisionSwin(TorchvisionSwinFeatures, ReversibleModelMixin, nn
             {"num_chs": self.num_features // 2 ** (len(self._stage_indices) - 1 - k),
              "reduction": conv.stride[0] * 2 ** k, "module": f"features.{i}"}
             for k, i in enumerate(self._stage_indices)]
-        self.source_name = published_name(source)
         self.pretrained_cfg: Dict[str, Any] = {
-            **weights_data_config(self.source_name or _family_default(source)),
+            **weights_data_config(published_name(source) or _family_default(source)),
             "num_classes": self.num_classes, "first_conv": "features.0.0",
             "classifier": "head"}
         self.default_cfg = self.pretrained_cfg
@@ -232,7 +231,6 @@ def converted_tv_swin(
     alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
-    model.source_name = source
     model.pretrained_cfg.update(weights_data_config(source, img_size))
     return model
 
