@@ -26,7 +26,7 @@ GIB = 2**30
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--converted", required=True, help="converted_swin, converted_vit, ...")
-    p.add_argument("--source", required=True, help="the source's name (timm's)")
+    p.add_argument("--source", required=True, help="the source's name (timm's or torchvision's)")
     p.add_argument("--amp", default="bf16")
     p.add_argument("--memory", default="80GiB")
     p.add_argument("--chunk-bytes", default="1GiB")

@@ -474,3 +474,36 @@ def test_trainer_fine_tunes_from_a_torchvision_file_with_the_weights_data_config
     loaded = pareprop.load_model(tmp_path / "run" / "last")
     assert type(loaded).__name__ == "ConvertedTorchvisionSwin"
     assert pareprop.coupling_of(loaded) == pareprop.coupling_of(trainer.model)
+
+
+def test_torchvisions_swin_is_a_catalog_baseline_checkpointed_per_block(monkeypatch):
+    # `pareprop plan --models converted:swin_t swin_t`: the source as plain and checkpointed.
+    from torch.utils import checkpoint as torch_checkpoint
+
+    from pareprop.catalog import ModelRequest, build_model, model_facts, model_source
+    from pareprop.models import torchvision_swin as baseline
+
+    assert model_source("swin_v2_t") == "torchvision" and model_source("swin_t") == "torchvision"
+    facts = model_facts("swin_v2_t")
+    assert not facts.reversible and facts.input_size == (3, 256, 256)
+    with pytest.raises(ValueError, match="takes images"):
+        build_model(ModelRequest("swin_t", "plain", overrides=dict(num_frames=4)))
+    calls = []
+    real = torch_checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        calls.append(type(fn).__name__)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(baseline, "checkpoint", spy)
+    x = _images(2)
+    outs = {}
+    for engine in ("plain", "checkpointed"):
+        torch.manual_seed(0)
+        model = build_model(ModelRequest("swin_t", engine, num_classes=5, img_size=32)).eval()
+        assert model.example_inputs(2)[0].shape == (2, 3, 32, 32)
+        outs[engine] = model(x)  # eval: no stochastic depth; checkpointed while grad records
+    assert calls == ["SwinTransformerBlock"] * 12  # swin_t's 2 + 2 + 6 + 2 blocks
+    assert torch.equal(outs["plain"], outs["checkpointed"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.net(x), rtol=0, atol=0)

@@ -2,7 +2,8 @@
 
 A name is pareprop's (``rev_vit_base_patch16_224``, see :func:`pareprop.list_models`), timm's
 (``vit_base_patch16_224``), one of torchvision's video MViTs (``mvit_v1_b``, ``mvit_v2_s``:
-:mod:`pareprop.models.torchvision_video`, the baselines of the video models), or
+:mod:`pareprop.models.torchvision_video`, the baselines of the video models) or 2-D Swins
+(``swin_t`` ... ``swin_v2_b``: :mod:`pareprop.models.torchvision_swin`), or
 ``converted:SOURCE``, a pretrained model ``SOURCE`` converted by :func:`pareprop.convert`
 (NOTE [ Converted models by name ]). The catalog
 builds it with overrides in an *engine mode*: one of
@@ -34,6 +35,7 @@ import torch.nn as nn
 from pareprop.convert import converted_model_name, converted_model_names
 from pareprop.engine import ENGINES, ReversibleStack, set_block_checkpointing
 from pareprop.models import create_model, is_model, unknown_model_message
+from pareprop.models.torchvision_swin import TORCHVISION_SWIN_MODELS, create_torchvision_swin
 from pareprop.models.torchvision_video import TORCHVISION_VIDEO_MODELS, create_torchvision_video
 
 __all__ = [
@@ -83,7 +85,7 @@ def converted_source(name: str) -> Optional[str]:
 
 
 def model_source(name: str) -> str:
-    """``"pareprop"``, ``"torchvision"`` (its video MViTs), ``"converted"``
+    """``"pareprop"``, ``"torchvision"`` (its video MViTs and 2-D Swins), ``"converted"``
     (``converted:SOURCE``) or ``"timm"``: who knows ``name``.
 
     Raises:
@@ -95,7 +97,7 @@ def model_source(name: str) -> str:
         return "converted"
     if is_model(name):
         return "pareprop"
-    if name in TORCHVISION_VIDEO_MODELS:
+    if name in TORCHVISION_VIDEO_MODELS or name in TORCHVISION_SWIN_MODELS:
         return "torchvision"
     if timm.is_model(name):
         return "timm"
@@ -124,7 +126,7 @@ def model_facts(name: str) -> ModelFacts:
     if name in _FACTS:
         return _FACTS[name]
     source = model_source(name)
-    build = {"pareprop": _default_pareprop, "torchvision": create_torchvision_video,
+    build = {"pareprop": _default_pareprop, "torchvision": _create_torchvision,
              "converted": _default_converted}.get(source, _default_timm)
     try:
         with _meta_device():
@@ -238,7 +240,7 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
     elif facts.source == "pareprop":
         model = create_model(request.model, **_pareprop_kwargs(request, facts))
     elif facts.source == "torchvision":
-        model = create_torchvision_video(request.model, **_torchvision_kwargs(request))
+        model = _create_torchvision(request.model, **_torchvision_kwargs(request))
     else:
         try:
             model = timm.create_model(request.model, pretrained=False, **_source_kwargs(request))
@@ -276,6 +278,16 @@ def _pareprop_kwargs(request: ModelRequest, facts: ModelFacts) -> Dict[str, Any]
     if facts.cfg is not None:
         kwargs.update(depth_overrides(facts.cfg, request.depth))
     return kwargs
+
+
+def _create_torchvision(name: str, **kwargs: Any) -> nn.Module:
+    # torchvision's baselines: its video MViTs, its 2-D Swins (which take no num_frames).
+    if name in TORCHVISION_SWIN_MODELS:
+        if "num_frames" in kwargs:
+            raise ValueError(f"torchvision's {name!r} takes images: num_classes and img_size, "
+                             "not num_frames")
+        return create_torchvision_swin(name, **kwargs)
+    return create_torchvision_video(name, **kwargs)
 
 
 def _torchvision_kwargs(request: ModelRequest) -> Dict[str, Any]:

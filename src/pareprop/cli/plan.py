@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--models", nargs="+", required=True, metavar="NAME",
                    help="pareprop registry names, timm names, torchvision's video MViTs "
-                   "mvit_v1_b, mvit_v2_s (baselines), and converted:SOURCE (timm's or "
+                   "mvit_v1_b, mvit_v2_s and 2-D Swins swin_t ... swin_v2_b (baselines), and "
+                   "converted:SOURCE (timm's or "
                    "torchvision's SOURCE converted by pareprop.convert, at coupling (0, 1))")
     p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
