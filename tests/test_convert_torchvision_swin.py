@@ -312,6 +312,14 @@ def test_unsupported_models_and_hooks_are_refused():
     with pytest.raises(UnsupportedModelError, match="features.3.1 is a Identity"):
         pareprop.convert(src)
     src = _torchvision()
+    del src.features[2]  # the second stage now sits where a merging belongs
+    with pytest.raises(UnsupportedModelError, match="features.2 is a Sequential, not .*PatchM"):
+        pareprop.convert(src)
+    src = _torchvision()
+    src.features[3] = src.features[2]
+    with pytest.raises(UnsupportedModelError, match="features.3 is a PatchMerging, not a stage"):
+        pareprop.convert(src)
+    src = _torchvision()
     src.features[2] = nn.Identity()
     with pytest.raises(UnsupportedModelError, match="features.2 is a Identity, not .*PatchMerg"):
         pareprop.convert(src)

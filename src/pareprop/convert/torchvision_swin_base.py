@@ -173,6 +173,10 @@ def check_features(features: nn.Sequential, stage_indices: Sequence[int],
             raise UnsupportedModelError(
                 f"features.{i} is a {type(part).__name__}, not torchvision's {names}")
     for i, stage in stages:
+        if type(stage) is not nn.Sequential:
+            raise UnsupportedModelError(
+                f"features.{i} is a {type(stage).__name__}, not a stage (torchvision's "
+                "nn.Sequential of blocks)")
         for j, block in enumerate(stage):
             if type(block) not in _BLOCKS or type(block.attn) not in attentions:
                 names = " or ".join(a.__name__ for a in attentions)
