@@ -47,6 +47,21 @@ def test_logits_equal_timm_to_the_bit_at_one_zero(variant):
         assert torch.equal(model.forward_features(x), source.forward_features(x))
 
 
+@pytest.mark.parametrize("variant", ["token", "no_embed_class"])
+def test_set_input_size_follows_timm(variant):
+    source = _timm(**VARIANTS[variant]).eval()
+    model = pareprop.convert(copy.deepcopy(source), engine="autograd").eval()
+    source.set_input_size(img_size=(24, 32))
+    model.set_input_size(img_size=(24, 32))
+    assert model.pretrained_cfg["input_size"] == (3, 24, 32)
+    assert model.example_inputs()[0].shape[-2:] == (24, 32)
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 24, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+        assert model.forward_intermediates(x, intermediates_only=True)[0].shape[-2:] == (6, 8)
+
+
 @pytest.mark.parametrize("engine", pareprop.ENGINES)
 def test_training_step_equals_timm_at_one_zero(engine):
     # Dropout and drop-path on: the blocks draw in timm's order, and at beta = 0 every block is

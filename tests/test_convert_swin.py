@@ -85,6 +85,51 @@ def test_dynamic_img_size_is_exact_at_one_zero(kind):
         assert torch.equal(model(x), source(x))
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("resize", [dict(img_size=(48, 48)), dict(img_size=(64, 64), window_size=8),
+                                    dict(window_ratio=2)])
+def test_set_input_size_follows_timm(kind, resize):
+    # timm's resize on both: new windows, shifts and masks in every block, exact at (1, 0), and
+    # at (0, 1) every engine still agrees with autograd at the new size.
+    if not hasattr(KINDS[kind], "set_input_size"):
+        pytest.skip("this timm has no set_input_size")
+    source = _timm(kind).eval()
+    model = pareprop.convert(copy.deepcopy(source), engine="autograd").eval()
+    source.set_input_size(**resize)
+    model.set_input_size(**resize)
+    size = source.patch_embed.img_size
+    assert model.pretrained_cfg["input_size"] == (3, *size)
+    assert model.example_inputs()[0].shape[-2:] == size
+    for ours, theirs in zip(model.layers, source.layers):
+        for a, b in zip(ours.stack.blocks, theirs.blocks):
+            assert (a.window_size, a.shift_size) == (b.window_size, b.shift_size)
+    assert any(b.window_size != (4, 4) or b.input_resolution != (8, 8)
+               for stage in model.layers for b in stage.stack.blocks)
+    x = _images(2, size[0])
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    model = pareprop.convert(source.double(), tolerance=None)
+    pareprop.set_coupling(model, 0.0, 1.0)
+    engine, key, err = worst_error(engine_errors(model, _images(2, size[0], torch.float64)))
+    assert err < 1e-9, f"{engine} disagrees with autograd on {key}: {err:.3e}"
+
+
+@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256"])
+def test_prune_intermediate_layers_follows_timm(name):
+    torch.manual_seed(0)
+    source = timm.create_model(name, depths=(2, 2, 2, 2), embed_dim=16, num_heads=(1, 2, 4, 8),
+                               num_classes=7, img_size=64).eval()
+    model = pareprop.convert(copy.deepcopy(source), engine="autograd").eval()
+    assert model.prune_intermediate_layers([0, 2]) == source.prune_intermediate_layers([0, 2])
+    assert len(model.layers) == 3 and model.head_hidden_size == source.head_hidden_size == 64
+    x = _images(2, 64)
+    with torch.no_grad():
+        ours = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+        theirs = source.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+    assert len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert not any(k.startswith("layers.3") for k in model.state_dict())
+
+
 @pytest.mark.parametrize("engine", pareprop.ENGINES)
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_training_step_equals_timm_at_one_zero(kind, engine):

@@ -66,9 +66,12 @@ __all__ = [
 # The parts of a timm Swin block that make its two residual branches, in timm's names (so the
 # block's parameters keep timm's names).
 _BRANCH_PARTS = ("norm1", "attn", "drop_path1", "norm2", "mlp", "drop_path2")
-# What timm's ``_attn`` and ``get_attn_mask`` read of the block besides its modules.
-_WINDOW_ATTRIBUTES = ("input_resolution", "window_size", "shift_size", "window_area",
-                      "dynamic_mask")
+# What timm's block methods (``_attn``, ``get_attn_mask``, ``set_input_size``) read of the
+# block besides its modules: its plain attributes (window, shift, resolution, ...), taken whole
+# so that the converted block answers the timm release at hand, whichever attributes it keeps.
+def _window_attributes(block: nn.Module) -> Dict[str, Any]:
+    return {name: value for name, value in vars(block).items()
+            if not name.startswith("_") and name != "training"}
 
 
 class _SwinBlockBase(CoupledBlock):
@@ -79,8 +82,8 @@ class _SwinBlockBase(CoupledBlock):
         # In the block's own order (V2 registers attn before norm1), so the state dict's is.
         super().__init__(**{name: module for name, module in block.named_children()
                             if name in _BRANCH_PARTS})
-        for name in _WINDOW_ATTRIBUTES:
-            setattr(self, name, getattr(block, name))
+        for name, value in _window_attributes(block).items():
+            setattr(self, name, value)
         self.register_buffer("attn_mask", block.attn_mask, persistent=False)
 
     def _h_attn(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +136,10 @@ class ConvertedSwinBlock(_SwinBlockBase):
     # timm's own window attention (shift, pad, partition, mask, merge) and mask builder.
     _attn = timm_swin.SwinTransformerBlock._attn
     get_attn_mask = timm_swin.SwinTransformerBlock.get_attn_mask
+    # timm's resize: new windows, shifts and mask (ConvertedSwin.set_input_size).
+    _calc_window_shift = getattr(timm_swin.SwinTransformerBlock, "_calc_window_shift", None)
+    _init_buffers = getattr(timm_swin.SwinTransformerBlock, "_init_buffers", None)
+    set_input_size = getattr(timm_swin.SwinTransformerBlock, "set_input_size", None)
 
     def _h_attn(self, x: torch.Tensor) -> torch.Tensor:
         return self._attn(self.norm1(x))
@@ -147,6 +154,9 @@ class ConvertedSwinV2Block(_SwinBlockBase):
 
     _attn = timm_swinv2.SwinTransformerV2Block._attn
     get_attn_mask = timm_swinv2.SwinTransformerV2Block.get_attn_mask
+    _calc_window_shift = getattr(timm_swinv2.SwinTransformerV2Block, "_calc_window_shift", None)
+    _init_buffers = getattr(timm_swinv2.SwinTransformerV2Block, "_init_buffers", None)
+    set_input_size = getattr(timm_swinv2.SwinTransformerV2Block, "set_input_size", None)
 
     def _h_attn(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm1(self._attn(x))
@@ -210,6 +220,16 @@ class ConvertedSwinStage(nn.Module):
         self.stack = ReversibleStack([block(b) for b in stage.blocks], engine=engine)
         self.grad_checkpointing = False  # the merging (ConvertedSwin.set_grad_checkpointing)
 
+    def set_input_size(self, feat_size: Tuple[int, int], window_size: Any,
+                       always_partition: Optional[bool] = None) -> None:
+        """timm's stage resize: the resolution after the merging, then each block's windows."""
+        self.input_resolution = tuple(feat_size)
+        self.output_resolution = self.input_resolution if self.downsample is None else \
+            tuple((i + 1) // 2 for i in feat_size)
+        for block in self.stack.blocks:
+            block.set_input_size(feat_size=self.output_resolution, window_size=window_size,
+                                 always_partition=always_partition)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = maybe_checkpoint(self._merging, x, self.grad_checkpointing,
                              self.stack.chunking)  # (B, H, W, C)
@@ -271,6 +291,7 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
     # stages are this model's, the rest is timm's code.
     forward_head = timm_swin.SwinTransformer.forward_head
     forward_intermediates = timm_swin.SwinTransformer.forward_intermediates
+    prune_intermediate_layers = timm_swin.SwinTransformer.prune_intermediate_layers
 
     def __init__(self, source: nn.Module, engine: str = "reversible"):
         super().__init__()
@@ -279,6 +300,10 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
         block = _FAMILIES[type(source)][2]
         for name in _PLAIN_ATTRIBUTES:
             setattr(self, name, getattr(source, name))
+        # The reference windows timm's set_input_size scales from (timm >= 1.0.20 keeps them).
+        for name in ("_ref_window_sizes", "_ref_grid_size"):
+            if hasattr(source, name):
+                setattr(self, name, getattr(source, name))
         self.patch_embed = source.patch_embed
         self.layers = nn.Sequential(*[ConvertedSwinStage(s, block, engine)
                                       for s in source.layers])
@@ -304,7 +329,13 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
 
     @property
     def head_hidden_size(self) -> int:
-        return self.head.num_features  # timm's: the pooled width (twice it for 'catavgmax')
+        # timm's: the pooled width (twice it for 'catavgmax'), or the width of the last stage
+        # kept by prune_intermediate_layers, which sets it.
+        return self.__dict__.get("_head_hidden_size", self.head.num_features)
+
+    @head_hidden_size.setter
+    def head_hidden_size(self, value: int) -> None:
+        self.__dict__["_head_hidden_size"] = value
 
     # -- timm model interface -------------------------------------------------------------
 
@@ -332,12 +363,24 @@ class ConvertedSwin(ReversibleModelMixin, nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A fresh classifier for ``num_classes`` (0: none); ``global_pool`` as timm's
         (``'avg'``, ``'max'``, ``'catavgmax'``, ``''``...)."""
-        ref = self.norm.weight
+        ref = self.patch_embed.proj.weight  # (the final norm may be pruned away)
         self.num_classes = num_classes
         self.head.reset(num_classes, pool_type=global_pool, device=ref.device, dtype=ref.dtype)
         if global_pool is not None:
             self.global_pool = global_pool
         self.pretrained_cfg["num_classes"] = num_classes
+
+    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None, **kwargs: Any) -> None:
+        """timm's ``set_input_size`` (new image size, patch size, windows): the source class's
+        own method on this model's stages, so windows, shifts and masks are timm's. The
+        converted model stays exact at (1, 0) at the new size (tested)."""
+        resize = getattr(self.source_class, "set_input_size", None)
+        if resize is None or ConvertedSwinBlock.set_input_size is None:
+            raise NotImplementedError(
+                f"this timm release ({timm.__version__}) has no {self.source_class.__name__}"
+                ".set_input_size to follow; build the source at the size wanted, then convert it")
+        resize(self, img_size=img_size, **kwargs)
+        self.pretrained_cfg["input_size"] = (self.in_chans, *self.patch_embed.img_size)
 
     def example_inputs(self, batch_size: int = 2, device: Any = None,
                        dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor]:

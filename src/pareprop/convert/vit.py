@@ -233,6 +233,14 @@ class ConvertedViT(ReversibleModelMixin, nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
+    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None,
+                       patch_size: Optional[Tuple[int, int]] = None) -> None:
+        """timm's resize (a new image or patch size; the position embedding resampled), by
+        timm's own method on this model. Like timm's, it makes a new ``pos_embed`` Parameter:
+        build the optimizer, and the precision guard's references, after it."""
+        VisionTransformer.set_input_size(self, img_size=img_size, patch_size=patch_size)
+        self.pretrained_cfg["input_size"] = (self.in_chans, *self.patch_embed.img_size)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images to the final state's tokens, normed as timm's ``forward_features``."""
         x = self.patch_embed(x)
