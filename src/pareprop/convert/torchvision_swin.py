@@ -45,7 +45,7 @@ from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [
     "ConvertedTorchvisionSwin", "TV_SWIN_SOURCES", "build_tv_swin", "check_convertible",
-    "converted_tv_swin", "weights_data_config",
+    "converted_tv_swin", "published_name", "weights_data_config",
 ]
 
 
