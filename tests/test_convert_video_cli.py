@@ -272,3 +272,20 @@ def test_plan_refuses_a_depth_the_source_has_not(tmp_path, capsys):
               "--device", "cpu", "--out", str(tmp_path / "plan")])
     err = _stderr_line(capsys)
     assert rc == 2 and "takes no depth argument" in err
+
+
+def test_resume_needs_no_initial_weight_file(videos, tmp_path, capsys):
+    # The run's checkpoint holds every weight the file gave (NOTE [ A checkpoint needs no
+    # initial weight file ] in pareprop/checkpoint.py): resuming once read the file again.
+    weights = _save(_torchvision_source("mvit_v2_s"), tmp_path / "mvit_v2_s.pth")
+    run = tmp_path / "run"
+    common = ["--dataset", str(videos), "--epochs", "2", "--batch-size", "2",
+              "--coupling-steps", "3", "--device", "cpu", "--workers", "0", "--no-progress"]
+    rc = cli(["train", "--convert-from", "mvit_v2_s", "--pretrained-file", str(weights),
+              "--stop-after-epochs", "1", "--out", str(run), *common, *_model_args(MVIT)])
+    assert rc == 0, capsys.readouterr().err
+    weights.unlink()
+    rc = cli(["train", "--resume", str(run), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").open()]
+    assert 4 in steps
