@@ -253,7 +253,7 @@ def test_mvit_clip_size_by_the_shared_names():
         pareprop.create_model("converted_tv_mvit", num_frames=4, temporal_size=4)
 
 
-@pytest.mark.slow  # plans a full-width mvit_v2_s (on fake tensors): about 6 s
+@pytest.mark.slow  # plans full-width mvit_v2_s and swin3d_t (on fake tensors): 6-8 s
 def test_plan_converted_video_models_by_name(tmp_path, capsys):
     out = tmp_path / "plan"
     rc = cli(["plan", "--models", "converted:mvit_v2_s", "converted:swin3d_t", "--engines",
