@@ -235,8 +235,16 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
         # takes them as the source's keywords too.
         kwargs = _source_kwargs(request)
         kwargs["engine"] = "autograd" if request.engine == "checkpointed" else request.engine
-        model = (_create_converted(request.model, kwargs) if facts.source == "converted"
-                 else create_model(request.model, **kwargs))
+        try:
+            model = (_create_converted(request.model, kwargs) if facts.source == "converted"
+                     else create_model(request.model, **kwargs))
+        except TypeError as err:  # torchvision's sources take no depth (their own layouts)
+            if request.depth is not None and "depth" in str(err):
+                raise ValueError(
+                    f"depth override unsupported: the source of {request.model!r} takes no "
+                    "depth argument; give no depth for it (--depth, --depths)"
+                ) from err
+            raise
     elif facts.source == "pareprop":
         model = create_model(request.model, **_pareprop_kwargs(request, facts))
     elif facts.source == "torchvision":

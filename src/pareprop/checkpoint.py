@@ -382,6 +382,7 @@ def load_checkpoint(
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{state_path!r} is not a pareprop training state")
     _keep_earlier_vit_head(meta, state_dict)
+    _rebuild_without_initial_weights(meta)
     return Checkpoint(path=folder, meta=meta, state_dict=state_dict, train_state=state)
 
 
@@ -394,6 +395,23 @@ def _keep_earlier_vit_head(meta: Dict[str, Any], state_dict: Dict[str, torch.Ten
     if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
         if str(spec.get("name", "")).startswith("rev_vit"):
             spec["kwargs"].setdefault("norm_before_pool", False)
+
+
+# NOTE [ A checkpoint needs no initial weight file ]
+#     A converted model started from a local file (``--convert-from NAME --pretrained-file
+#     PATH``) is created with ``pretrained_file=PATH``, and so its spec in model.json names
+#     that file. The checkpoint's own weights replace every tensor the file gave, so rebuilding
+#     from the spec must not read it again: it may be gone or moved by then (``pareprop eval``
+#     of a run once failed with "no weight file" when it was), and reading it is wasted time.
+#     The run's config in model.json still records where training started.
+
+
+def _rebuild_without_initial_weights(meta: Dict[str, Any]) -> None:
+    """Drop ``pretrained_file`` from the spec the model is rebuilt from (NOTE [ A checkpoint
+    needs no initial weight file ])."""
+    spec = meta.get("model")
+    if isinstance(spec, dict) and isinstance(spec.get("kwargs"), dict):
+        spec["kwargs"].pop("pretrained_file", None)
 
 
 def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> nn.Module:

@@ -407,6 +407,8 @@ def converted_tv_mvit(
     engine: str = "reversible",
     coupling: Sequence[float] = (1.0, 0.0),
     tolerance: Optional[float] = 1e-3,
+    num_frames: Optional[int] = None,
+    img_size: Optional[int] = None,
     **tv_kwargs: Any,
 ) -> ConvertedMViT:
     """torchvision's ``source`` (``mvit_v1_b`` or ``mvit_v2_s``, random weights:
@@ -416,7 +418,18 @@ def converted_tv_mvit(
     ``mvit_v2_s-ae3be167.pth``) to start from; see :func:`load_torchvision_mvit_weights`.
     :meth:`ConvertedMViT.load_source_pretrained` fetches them instead (online).
     ``coupling``, ``tolerance``: as :func:`pareprop.convert.vit.converted_vit`'s.
+    ``num_frames`` and ``img_size``: the clips it takes (``T x img_size x img_size``), the
+    names every video model shares (``pareprop plan --num-frames``, ``converted_swin3d``);
+    the same as ``temporal_size`` and ``spatial_size=(img_size, img_size)``.
     """
+    for ours, theirs, value in (("num_frames", "temporal_size", num_frames),
+                                ("img_size", "spatial_size", img_size)):
+        if value is not None and theirs in tv_kwargs:
+            raise ValueError(f"{ours} and {theirs} both set the clip's size: give one")
+    if num_frames is not None:
+        tv_kwargs["temporal_size"] = int(num_frames)
+    if img_size is not None:
+        tv_kwargs["spatial_size"] = (int(img_size), int(img_size))
     mvit = published_mvit(source, **tv_kwargs)
     if pretrained_file is not None:
         load_torchvision_mvit_weights(mvit, pretrained_file)
@@ -437,4 +450,7 @@ def load_torchvision_mvit_weights(model: nn.Module, path: str) -> None:
     ``mvit_v2_s(weights=...).state_dict()`` or torchvision's download) from ``path`` into a
     torchvision ``MViT`` or its conversion; see
     :func:`pareprop.convert.weights.load_classifier_source_weights`."""
-    load_classifier_source_weights(model, path, None, "torchvision MViT")
+    # torchvision's MViT has no pretrained_cfg to name its classifier, which sits behind the
+    # head's dropout: without the name, a file of another class count (Kinetics-400's 400)
+    # was refused instead of loaded with a fresh head.
+    load_classifier_source_weights(model, path, None, "torchvision MViT", classifier="head.1")

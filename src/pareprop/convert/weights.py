@@ -61,11 +61,15 @@ def load_classifier_source_weights(
     path: "str | os.PathLike[str]",
     checkpoint_filter: Optional[Callable[[StateDict, nn.Module], StateDict]],
     what: str,
+    classifier: Optional[str] = None,
 ) -> None:
     """:func:`load_source_weights` with the head read off ``pretrained_cfg["classifier"]``
     (the source or its conversion: their state dicts have the same names); ``what`` names the
-    family in messages ("ViT", "MViTv2", ...)."""
-    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
+    family in messages ("ViT", "MViTv2", ...). ``classifier``: the head's module name, for a
+    source that has no ``pretrained_cfg`` (torchvision's models) and whose head is not
+    ``head``."""
+    if classifier is None:
+        classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
     load_source_weights(
         model, path, (f"{classifier}.weight", f"{classifier}.bias"), checkpoint_filter,
         hint=f"is it the weights of another {what} (give --convert-from the source it was "
