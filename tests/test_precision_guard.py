@@ -129,3 +129,27 @@ def test_a_copied_model_has_its_own_guard():
     assert twin.precision_guard.stacks[0] is twin.stack
     twin.train()(_images())
     assert twin.precision_guard.measurements == 1 and model.precision_guard.measurements == 0
+
+
+def test_set_coupling_and_set_engine_measure_again():
+    model = pareprop.convert(_source(depth=2)).train()
+    guard, x = model.precision_guard, _images()
+
+    def step():
+        model(x).sum().backward()
+
+    pareprop.set_coupling(model, 0.5, 0.5)
+    step()
+    assert guard.measurements == 1 and model.stack.stored_blocks == ()
+    # through (1, 0) and back: every block stored, then measured again and rebuilt, though
+    # the coupling is the one measured last
+    pareprop.set_coupling(model, 1.0, 0.0)
+    pareprop.set_coupling(model, 0.5, 0.5)
+    step()
+    assert guard.measurements == 2 and model.stack.stored_blocks == ()
+    pareprop.set_coupling(model, 0.49, 0.51)  # a move smaller than beta_step, set by hand
+    step()
+    assert guard.measurements == 3
+    pareprop.set_engine(model, "pareprop")  # another engine: measured again
+    step()
+    assert guard.measurements == 4
