@@ -179,6 +179,28 @@ def test_a_kept_block_in_chunks_draws_its_slice_of_the_whole_batchs_draw():
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-12, atol=1e-12)
 
 
+def test_kept_blocks_are_checkpointed_in_chunks_of_samples(monkeypatch):
+    # Under set_grad_checkpointing with the stacks chunked, the kept blocks (one a stage after
+    # the first) are recomputed in chunks of samples too, not whole (their whole-batch
+    # recomputation would set the peak the chunks lower).
+    from pareprop.layers import recompute
+
+    counts = []
+    real = recompute._checkpoint_chunks
+
+    def spy(module, parts, join, split, count):
+        counts.append((type(module).__name__, count))
+        return real(module, parts, join, split, count)
+
+    monkeypatch.setattr(recompute, "_checkpoint_chunks", spy)
+    model = pareprop.convert(_timm("mvitv2_tiny"), tolerance=None).train()
+    pareprop.set_coupling(model, 0.3, 0.5)
+    model.set_grad_checkpointing()
+    pareprop.set_chunking(model, chunks=3)
+    model(_images(3)).sum().backward()
+    assert counts == [("KeptBlock", 3)] * 3
+
+
 def test_schedule_and_precision_guard_over_every_stack():
     model = pareprop.convert(_timm("mvitv2_tiny").double())
     stacks = model.stacks()
