@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock, VisionTransformer
+from timm.models.vision_transformer import (
+    Block,
+    ParallelScalingBlock,
+    ResPostBlock,
+    VisionTransformer,
+)
 
 import pareprop
 from pareprop.convert import UnsupportedModelError
@@ -116,6 +121,41 @@ def test_forward_is_the_dual_residual_recursion(alpha, beta):
                                    atol=1e-12)
 
 
+def _recursion(source, x, alpha, beta):
+    """timm's logits of the dual-residual recursion, coefficients rounded to float32."""
+    alpha, beta = (float(torch.tensor(c, dtype=torch.float32)) for c in (alpha, beta))
+    z = source.norm_pre(source._pos_embed(source.patch_embed(x)))
+    previous = z
+    for block in source.blocks:
+        for j in range(2):
+            z, previous = alpha * z + beta * previous + _h(block, j)(z), z
+    return source.forward_head(source.norm(z))
+
+
+def test_coupling_survives_a_cast_and_stays_float32():
+    # alpha is a buffer: a cast (.double(), .to(device)) must keep its value, and keep it
+    # float32's (0.3 set after the cast is float32's 0.3, as the skip scale's).
+    source = _timm(init_values=0.5).eval()
+    model = pareprop.convert(copy.deepcopy(source), engine="autograd").eval()
+    pareprop.set_coupling(model, 0.3, 0.5)
+    model.double()
+    source.double()
+    x = _images(dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), _recursion(source, x, 0.3, 0.5), rtol=1e-12,
+                                   atol=1e-12)
+        pareprop.set_coupling(model, 0.3, 0.5)
+        assert all(b.alpha.dtype == torch.float32 for b in model.stack.blocks)
+        torch.testing.assert_close(model(x), _recursion(source, x, 0.3, 0.5), rtol=1e-12,
+                                   atol=1e-12)
+
+
+def test_convert_keeps_the_sources_mode():
+    for training in (False, True):
+        model = pareprop.convert(_timm().train(training))
+        assert {m.training for m in model.modules()} == {training}
+
+
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5), (1.0, 0.8)])
 def test_engines_match_autograd_on_a_converted_model(depth, alpha, beta):
@@ -181,6 +221,15 @@ def test_timm_contract():
 def test_unsupported_models_are_refused_with_the_reason(build, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         pareprop.convert(build())
+
+
+def test_a_subclass_of_timms_block_is_refused():
+    # A subclass may change forward (another residual, a third branch): only Block itself.
+    class MyBlock(Block):
+        pass
+
+    with pytest.raises(UnsupportedModelError, match="block 0 is a MyBlock"):
+        pareprop.convert(_timm(block_fn=MyBlock))
 
 
 def test_activation_memory_is_flat_in_depth_at_zero_one():

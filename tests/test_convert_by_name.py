@@ -47,10 +47,12 @@ def test_rename_rule_applies_inside_nested_names():
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([Stage(), Stage()])
+    model.subblocks = torch.nn.Linear(2, 2)  # "blocks." inside a name, not after a dot: kept
     keep_source_names(model, [("stack.blocks.", "blocks.")])
     assert sorted(model.state_dict()) == [
         "layers.0.blocks.0.bias", "layers.0.blocks.0.weight",
-        "layers.1.blocks.0.bias", "layers.1.blocks.0.weight"]
+        "layers.1.blocks.0.bias", "layers.1.blocks.0.weight",
+        "subblocks.bias", "subblocks.weight"]
     model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
     assert all(p.abs().sum() == 0 for p in model.parameters())
 

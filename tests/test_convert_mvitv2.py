@@ -153,6 +153,54 @@ def test_engines_match_autograd_on_a_converted_mvitv2(alpha, beta, setup):
     assert err < 1e-9, f"{engine} disagrees with autograd on {key}: {err:.3e}"
 
 
+def test_a_kept_block_in_chunks_draws_its_slice_of_the_whole_batchs_draw():
+    # A block kept from timm (it pools) is checkpointed in chunks of samples under chunking;
+    # each chunk, run from the same RNG state, must draw its slice of the batch's drop-path
+    # draw, or the recomputation differs from forward (batch 2 draws agree too often to tell).
+    from pareprop.chunking import chunks
+
+    model = pareprop.convert(_timm("mvitv2_tiny", drop_path_rate=0.3).double(),
+                             tolerance=None).train()
+    runs = model.stages[1]
+    p, kept = next(iter(runs._kept.items()))
+    block = runs.parts[p]
+    block.drop_path1.drop_prob = block.drop_path2.drop_prob = 0.5
+    seen = []
+    handle = block.register_forward_pre_hook(lambda m, args: seen.append(args))
+    model(_images(6, dtype=torch.float64))
+    handle.remove()
+    x, kept.size = seen[0]
+    torch.manual_seed(7)
+    whole = kept(x)
+    parts = []
+    for chunk in chunks(6, 3):
+        torch.manual_seed(7)  # the recomputation restores the forward's state for every chunk
+        parts.append(kept.forward_chunk(chunk.take(x, 0), chunk))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_kept_blocks_are_checkpointed_in_chunks_of_samples(monkeypatch):
+    # Under set_grad_checkpointing with the stacks chunked, the kept blocks (one a stage after
+    # the first) are recomputed in chunks of samples too, not whole (their whole-batch
+    # recomputation would set the peak the chunks lower).
+    from pareprop.layers import recompute
+
+    counts = []
+    real = recompute._checkpoint_chunks
+
+    def spy(module, parts, join, split, count):
+        counts.append((type(module).__name__, count))
+        return real(module, parts, join, split, count)
+
+    monkeypatch.setattr(recompute, "_checkpoint_chunks", spy)
+    model = pareprop.convert(_timm("mvitv2_tiny"), tolerance=None).train()
+    pareprop.set_coupling(model, 0.3, 0.5)
+    model.set_grad_checkpointing()
+    pareprop.set_chunking(model, chunks=3)
+    model(_images(3)).sum().backward()
+    assert counts == [("KeptBlock", 3)] * 3
+
+
 def test_schedule_and_precision_guard_over_every_stack():
     model = pareprop.convert(_timm("mvitv2_tiny").double())
     stacks = model.stacks()

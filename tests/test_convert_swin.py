@@ -234,6 +234,23 @@ def test_chunked_branches_and_checkpointed_merging_match_autograd(kind, monkeypa
     assert {size for size, _ in seen} == {3, 8, 4}
 
 
+def test_fused_attention_dropout_runs_f_whole(monkeypatch):
+    # timm's fused attention draws its attention dropout inside SDPA, which no slice of a chunk
+    # reproduces: F runs whole (no chunks of samples), G still chunks, the step stays exact.
+    source = _timm("v1", attn_drop_rate=0.2).double()
+    for stage in source.layers:
+        for block in stage.blocks:
+            block.attn.fused_attn = True
+    model = pareprop.convert(source, tolerance=None)
+    pareprop.set_coupling(model, 0.3, 0.5)
+    pareprop.set_chunking(model, chunks=3)
+    seen = _spy_chunks(monkeypatch)
+    report = engine_errors(model, _images(3, dtype=torch.float64), engines=("reversible",))
+    engine, key, err = worst_error(report)
+    assert err < 1e-9, f"{engine} disagrees with autograd on {key}: {err:.3e}"
+    assert {size for size, _ in seen} == {8, 4}  # rows of the maps only, never the 3 samples
+
+
 def test_stem_and_merging_are_checkpointed_under_set_grad_checkpointing():
     # Checkpointed, the patch embedding keeps the images and patch merging its input (the
     # stack before keeps it anyway), not their norms' and projections' inputs: each alone

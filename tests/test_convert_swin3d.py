@@ -128,14 +128,15 @@ def _spy_chunks(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("attention_dropout", [0.0, 0.2])
-def test_chunked_branches_and_checkpointed_mergings_match_autograd(attention_dropout,
+# (0.2, 0.0): the attention's output dropout alone, also drawn inside torchvision's function.
+@pytest.mark.parametrize("dropout,attention_dropout", [(0.0, 0.0), (0.2, 0.2), (0.2, 0.0)])
+def test_chunked_branches_and_checkpointed_mergings_match_autograd(dropout, attention_dropout,
                                                                    monkeypatch):
     # F in chunks of clips (stochastic depth: the chunk's slice of the batch's draw) unless
     # torchvision's functional attention dropout is on (then whole); G in bands of frames (its
     # MLP dropouts sliced); mergings checkpointed.
-    src = _torchvision(dropout=0.2 if attention_dropout else 0.0,
-                       attention_dropout=attention_dropout, stochastic_depth_prob=0.4).double()
+    src = _torchvision(dropout=dropout, attention_dropout=attention_dropout,
+                       stochastic_depth_prob=0.4).double()
     model = pareprop.convert(src, tolerance=None)
     pareprop.set_coupling(model, 0.3, 0.5)
     model.set_grad_checkpointing(True)
@@ -145,7 +146,7 @@ def test_chunked_branches_and_checkpointed_mergings_match_autograd(attention_dro
     engine, key, err = worst_error(report)
     assert err < 1e-9, f"{engine} disagrees with autograd on {key}: {err:.3e}"
     # frames of both stages' maps (4) always; the 3 clips only while F can chunk
-    assert {size for size, _ in seen} == ({4} if attention_dropout else {3, 4})
+    assert {size for size, _ in seen} == ({4} if dropout else {3, 4})
 
 
 def test_stem_and_mergings_are_checkpointed_under_set_grad_checkpointing(monkeypatch):

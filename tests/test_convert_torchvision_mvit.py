@@ -275,3 +275,9 @@ def test_named_model_from_a_torchvision_file_and_back_from_a_checkpoint(tmp_path
                         lambda *a, **k: torchvision.models.get_model("mvit_v1_b").state_dict())
     with pytest.raises(PretrainedError, match=r"16 frames of \(224, 224\)"):
         model.load_source_pretrained("mvit_v1_b")
+    # weights of this size and class count load whole, the classifier too
+    monkeypatch.setattr(type(weights), "get_state_dict", lambda *a, **k: source.state_dict())
+    fresh = pareprop.create_model("converted_tv_mvit", source="mvit_v1_b", **small).eval()
+    fresh.load_source_pretrained("mvit_v1_b")
+    with torch.no_grad():
+        assert torch.equal(fresh(x), source(x))

@@ -60,3 +60,17 @@ def test_bad_schedules_are_refused():
         pareprop.CouplingSchedule(_model(), "linear", steps=0)
     with pytest.raises(ValueError, match="convert a timm ViT first"):
         pareprop.set_coupling(pareprop.create_model("rev_vit_tiny_patch4_32"), 0.5, 0.5)
+
+
+def test_resume_takes_the_saved_kind_and_steps():
+    # A resumed run may build its schedule with other arguments: the saved state decides.
+    linear = pareprop.CouplingSchedule(_model(), "linear", steps=10)
+    for _ in range(3):
+        linear.step()
+    other = _model()
+    resumed = pareprop.CouplingSchedule(other, "cosine", steps=4)
+    resumed.load_state_dict(linear.state_dict())
+    assert resumed.state_dict() == linear.state_dict()
+    assert pareprop.coupling_of(other)[1] == pytest.approx(0.3)
+    resumed.step()
+    assert pareprop.coupling_of(other)[1] == pytest.approx(0.4)

@@ -73,6 +73,17 @@ def test_trainer_steps_the_schedule_and_checkpoints_the_coupling(tmp_path):
     assert pareprop.coupling_of(evaluator.model) == pytest.approx((alpha, beta))
 
 
+def test_coupling_steps_set_the_schedules_length():
+    from types import SimpleNamespace
+
+    from pareprop.finetune import make_coupling_schedule
+
+    model = pareprop.create_model("converted_vit", source=SOURCE, num_classes=5, **TINY)
+    for steps, want in ((3, 3), (None, 10)):  # unset: one epoch
+        cfg = SimpleNamespace(coupling_steps=steps, coupling_schedule="linear", resume=None)
+        assert make_coupling_schedule(cfg, model, steps_per_epoch=10).steps == want
+
+
 def test_resume_through_the_schedule_is_exact(tmp_path):
     _, path = _pretrained(tmp_path)
     Trainer(_cfg(tmp_path / "full", path)).fit()

@@ -129,3 +129,47 @@ def test_a_copied_model_has_its_own_guard():
     assert twin.precision_guard.stacks[0] is twin.stack
     twin.train()(_images())
     assert twin.precision_guard.measurements == 1 and model.precision_guard.measurements == 0
+
+
+def test_set_coupling_and_set_engine_measure_again():
+    model = pareprop.convert(_source(depth=2)).train()
+    guard, x = model.precision_guard, _images()
+
+    def step():
+        model(x).sum().backward()
+
+    pareprop.set_coupling(model, 0.5, 0.5)
+    step()
+    assert guard.measurements == 1 and model.stack.stored_blocks == ()
+    # through (1, 0) and back: every block stored, then measured again and rebuilt, though
+    # the coupling is the one measured last
+    pareprop.set_coupling(model, 1.0, 0.0)
+    pareprop.set_coupling(model, 0.5, 0.5)
+    step()
+    assert guard.measurements == 2 and model.stack.stored_blocks == ()
+    pareprop.set_coupling(model, 0.49, 0.51)  # a move smaller than beta_step, set by hand
+    step()
+    assert guard.measurements == 3
+    pareprop.set_engine(model, "pareprop")  # another engine: measured again
+    step()
+    assert guard.measurements == 4
+
+
+def test_below_a_stored_block_the_rebuild_restarts_from_its_exact_inputs():
+    # float32, beta = 0.1: block 3's rebuild is off, the blocks below it fine once the chain
+    # restarts from block 3's exact inputs (what the engines do below a stored block), so
+    # below it the measurement is that of the stack cut at block 3.
+    from pareprop.convert.precision_guard import measure_rebuild_errors
+
+    model = pareprop.convert(_source(), tolerance=None)
+    pareprop.set_coupling(model, 0.9, 0.1)
+    seen = []
+    handle = model.stack.register_forward_pre_hook(lambda m, args: seen.append(args))
+    model.eval()(_images())
+    handle.remove()
+    x1, x2 = seen[0][:2]
+    errors, stored = measure_rebuild_errors(model.stack, x1, x2, 1e-3)
+    top = max(stored)
+    assert 0 < top and stored != list(range(top + 1))
+    cut = pareprop.ReversibleStack(list(model.stack.blocks)[:top])
+    assert measure_rebuild_errors(cut, x1, x2, 1e-3) == (errors[:top], stored[:-1])
