@@ -149,3 +149,49 @@ def test_trainer_and_eval_agree_on_a_checkpoint(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["data_config"] == saved
     assert result["images"] == 12 and result["top1"] == pytest.approx(100 * val_acc)
+
+
+TINY_VIT = {"depth": 2, "img_size": 32, "patch_size": 8, "num_classes": CLASSES}
+
+
+def test_a_converted_source_by_name_evaluates_as_its_source(folder, tmp_path, capsys):
+    # converted:SOURCE with SOURCE's own weight file: at (1, 0) the converted model's logits are
+    # the source's, so its accuracy is the source's own (evaluated directly, unconverted).
+    timm = pytest.importorskip("timm")
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", **TINY_VIT).eval()
+    path = tmp_path / "vit_tiny.safetensors"
+    save_file(source.state_dict(), str(path))
+    # timm keeps the 224-px cfg of the name; the converted model records the size it takes.
+    source.pretrained_cfg = {**source.pretrained_cfg, "input_size": (3, 32, 32)}
+    want = evaluate(source, str(folder), batch_size=5, workers=0, progress=False)
+    args = [f"--model-arg={k}={v}" for k, v in TINY_VIT.items()]
+    rc = cli(["eval", "--model", "converted:vit_tiny_patch16_224", "--checkpoint", str(path),
+              "--data-dir", str(folder), "--workers", "0", "--batch-size", "5",
+              "--no-progress", *args])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["top1"], result["top5"]) == (want["top1"], want["top5"])
+    assert 0 < result["top1"] < 100  # the check can tell right from wrong
+
+
+def test_a_converted_source_offline_is_refused_in_one_line(folder, monkeypatch, capsys):
+    timm = pytest.importorskip("timm")
+    real = timm.create_model
+
+    def offline(name, pretrained=False, **kwargs):
+        if pretrained:
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    args = [f"--model-arg={k}={v}" for k, v in TINY_VIT.items()]
+    rc = cli(["eval", "--model", "converted:vit_tiny_patch16_224", "--pretrained",
+              "--data-dir", str(folder), "--workers", "0", "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "converted:vit_tiny_patch16_224 --pretrained" in err and "--checkpoint PATH" in err
+    assert "--pretrained-file" not in err and "--from-scratch" not in err

@@ -8,6 +8,8 @@ Examples::
         --engine pareprop --amp bf16 --json result.json
     pareprop eval --checkpoint runs/finetune/best --data-dir flowers/val
     pareprop eval --model rev_mvit_base_16x4 --pretrained --data-dir kinetics400/val --amp bf16
+    pareprop eval --model converted:swin_tiny_patch4_window7_224 --pretrained \
+        --data-dir imagenet/val
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from typing import Optional, Sequence
 import torch
 
 import pareprop
+from pareprop.catalog import converted_source
 from pareprop.checkpoint import META, CheckpointError
 from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
+from pareprop.convert import converted_model_name
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
+from pareprop.finetune import load_timm_pretrained
+from pareprop.models.published import PretrainedError
 from pareprop.video import is_video_model
 
 __all__ = ["main", "build_parser"]
@@ -37,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Top-1/top-5 accuracy on an ImageFolder with the model's own evaluation "
         "transform (timm's resolve_data_config and create_transform).",
     )
-    p.add_argument("--model", metavar="NAME", help="registered model name (not needed with a "
-                   "pareprop checkpoint, which names its model)")
+    p.add_argument("--model", metavar="NAME", help="registered model name, or converted:SOURCE "
+                   "(timm's or torchvision's SOURCE converted by pareprop.convert, at coupling "
+                   "(1, 0), with SOURCE's weights); not needed with a pareprop checkpoint, which "
+                   "names its model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pretrained", action="store_true",
                      help="the publisher's weights (downloaded through timm; offline, use "
@@ -95,10 +103,34 @@ def build_model(args: argparse.Namespace):
         return pareprop.load_model(args.checkpoint, **kwargs)
     if not args.model:
         raise ValueError("--model NAME is needed unless --checkpoint is a pareprop checkpoint")
+    source = converted_source(args.model)
+    if source is not None:
+        return build_converted(args.model, source, args.checkpoint, kwargs)
     if args.pretrained:
         return pareprop.create_model(args.model, pretrained=True, **kwargs)
     model = pareprop.create_model(args.model, **kwargs)
     pareprop.load_pretrained(model, args.checkpoint)
+    return model
+
+
+def build_converted(name: str, source: str, weight_file: Optional[str], kwargs: dict):
+    """``converted:SOURCE``: SOURCE built by its library's name and converted, at (1, 0), where
+    its logits are the source's to the bit; with SOURCE's weights, from ``weight_file`` in its
+    publisher's layout (read through the family's own filter) or, without one, its library's
+    download (``--pretrained``), as ``pareprop train --convert-from`` starts from them."""
+    model_name = converted_model_name(source)  # raises, naming the families converted
+    if weight_file is not None:
+        return pareprop.create_model(model_name, source=source, pretrained_file=weight_file,
+                                     **kwargs)
+    model = pareprop.create_model(model_name, source=source, **kwargs)
+    try:
+        load_timm_pretrained(model, source)
+    except PretrainedError as e:
+        # The loaders word their advice for pareprop train (--pretrained-file, --from-scratch):
+        # keep their reason, give eval's.
+        reason = str(e).split("; offline")[0].split("; pass ")[0]
+        raise PretrainedError(f"--model {name} --pretrained: {reason}; offline, pass a local "
+                              f"copy of {source}'s weights with --checkpoint PATH") from None
     return model
 
 
