@@ -20,11 +20,13 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from timm.layers import DropPath as TimmDropPath
+from torchvision.ops import StochasticDepth
 
 from pareprop.chunking import Chunk, dropout, whole_shape
 from pareprop.engine import ReversibleBlock
 
-__all__ = ["CoupledBlock", "drop_path_samples", "fused_attention_dropout", "sliced_dropouts"]
+__all__ = ["CoupledBlock", "drop_path_samples", "fused_attention_dropout", "sliced_dropouts",
+           "stochastic_depth_samples"]
 
 
 class CoupledBlock(ReversibleBlock):
@@ -112,3 +114,19 @@ def drop_path_samples(module: nn.Module, x: torch.Tensor, chunk: Chunk) -> torch
     if keep > 0.0 and module.scale_by_keep:
         mask.div_(keep)
     return x * chunk.take(mask, 0, rows)
+
+
+def stochastic_depth_samples(module: StochasticDepth, x: torch.Tensor,
+                             chunk: Chunk) -> torch.Tensor:
+    """torchvision's row-wise stochastic depth on a chunk of samples: the chunk's slice of
+    torchvision's draw for the whole batch (``torch.empty((B, 1, ...)).bernoulli_(survival)``,
+    divided by the survival rate). The torchvision families' ``drop_path_samples``."""
+    if not (module.training and module.p > 0.0 and module.mode == "row"):
+        return module(x)  # draws nothing, or one value for the whole batch ("batch")
+    survival = 1.0 - module.p
+    shape, rows = whole_shape(x, chunk, 0)
+    noise = torch.empty([shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype, device=x.device)
+    noise.bernoulli_(survival)
+    if survival > 0.0:
+        noise.div_(survival)
+    return x * chunk.take(noise, 0, rows)

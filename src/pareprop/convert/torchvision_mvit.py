@@ -39,8 +39,8 @@ from timm.models._features import feature_take_indices
 from torchvision.models.video.mvit import MSBlockConfig, MultiscaleBlock, MViT
 from torchvision.ops import StochasticDepth
 
-from pareprop.chunking import Chunk, Split, whole_shape
-from pareprop.convert.block import CoupledBlock, sliced_dropouts
+from pareprop.chunking import Chunk, Split
+from pareprop.convert.block import CoupledBlock, sliced_dropouts, stochastic_depth_samples
 from pareprop.convert.coupling import set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
@@ -60,7 +60,6 @@ from pareprop.models.published import PretrainedError
 __all__ = [
     "ConvertedMViT", "ConvertedMultiscaleBlock", "SOURCES", "check_convertible",
     "converted_tv_mvit", "keeps_shape", "load_torchvision_mvit_weights", "published_mvit",
-    "stochastic_depth_samples",
 ]
 
 # torchvision's MViT models (their Kinetics-400 weights: 16 frames of 224 x 224).
@@ -112,22 +111,6 @@ class ConvertedMultiscaleBlock(CoupledBlock):
             h = self.mlp(self.norm2(x))  # (B, n, C)
         # Stochastic depth draws one value per sample: on a chunk of tokens, the whole draw.
         return self.alpha * x + self.stochastic_depth(h)
-
-
-def stochastic_depth_samples(module: StochasticDepth, x: torch.Tensor,
-                             chunk: Chunk) -> torch.Tensor:
-    """torchvision's row-wise stochastic depth on a chunk of samples: the chunk's slice of
-    torchvision's draw for the whole batch (``torch.empty((B, 1, ...)).bernoulli_(survival)``,
-    divided by the survival rate)."""
-    if not (module.training and module.p > 0.0 and module.mode == "row"):
-        return module(x)  # draws nothing, or one value for the whole batch ("batch")
-    survival = 1.0 - module.p
-    shape, rows = whole_shape(x, chunk, 0)
-    noise = torch.empty([shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype, device=x.device)
-    noise.bernoulli_(survival)
-    if survival > 0.0:
-        noise.div_(survival)
-    return x * chunk.take(noise, 0, rows)
 
 
 @contextlib.contextmanager

@@ -33,8 +33,8 @@ from timm.models._features import feature_take_indices
 from torchvision.models.swin_transformer import SwinTransformerBlock, SwinTransformerBlockV2
 from torchvision.ops import StochasticDepth
 
-from pareprop.chunking import Chunk, Split, whole_shape
-from pareprop.convert.block import CoupledBlock, sliced_dropouts
+from pareprop.chunking import Chunk, Split
+from pareprop.convert.block import CoupledBlock, sliced_dropouts, stochastic_depth_samples
 from pareprop.convert.source import UnsupportedModelError, refuse_hooks
 from pareprop.convert.swin import MergingInChunks, unregistered
 from pareprop.convert.weights import load_state
@@ -46,25 +46,10 @@ from pareprop.models.published import PretrainedError
 __all__ = [
     "ConvertedTorchvisionSwinBlock", "ConvertedTorchvisionSwinStage",
     "ConvertedTorchvisionSwinV2Block", "TorchvisionSwinFeatures", "check_features",
-    "load_torchvision_pretrained", "stochastic_depth_samples",
+    "load_torchvision_pretrained",
 ]
 
 _BRANCH_PARTS = ("norm1", "attn", "stochastic_depth", "norm2", "mlp")
-
-
-def stochastic_depth_samples(module: nn.Module, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """torchvision's row-wise ``StochasticDepth`` on a chunk of samples: the chunk's slice of
-    torchvision's draw for the whole batch (``empty((B, 1, ...)).bernoulli_(1 - p)``, divided
-    by ``1 - p``)."""
-    if not (module.training and module.p > 0.0):
-        return x
-    keep = 1.0 - module.p
-    shape, rows = whole_shape(x, chunk, 0)
-    noise = torch.empty([shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype, device=x.device)
-    noise.bernoulli_(keep)
-    if keep > 0.0:
-        noise.div_(keep)
-    return x * chunk.take(noise, 0, rows)
 
 
 class _TorchvisionSwinBlockBase(CoupledBlock):
