@@ -19,7 +19,13 @@ model (``converted_vit``, ...) with :func:`pareprop.create_model`.
 
 # Imported for their side effect: each family registers its converter and its named model.
 from pareprop.convert import mvitv2, swin, swin3d, torchvision_mvit, vit  # noqa: F401
-from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
+from pareprop.convert.coupling import (
+    SCHEDULES,
+    CouplingSchedule,
+    check_coupling,
+    coupling_of,
+    set_coupling,
+)
 from pareprop.convert.mvitv2 import ConvertedMultiScaleVit, load_mvitv2_weights
 from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
 from pareprop.convert.source import (
@@ -36,6 +42,6 @@ from pareprop.convert.vit import ConvertedViT, load_timm_weights
 __all__ = [
     "SCHEDULES", "ConvertedMViT", "ConvertedMultiScaleVit", "ConvertedSwin", "ConvertedSwin3d",
     "ConvertedViT", "CouplingSchedule", "GuardReport", "PrecisionGuard", "UnsupportedModelError",
-    "convert", "converted_model_name", "converted_model_names", "coupling_of",
+    "check_coupling", "convert", "converted_model_name", "converted_model_names", "coupling_of",
     "load_mvitv2_weights", "load_timm_weights", "load_torchvision_mvit_weights", "set_coupling",
 ]
