@@ -50,9 +50,13 @@ def _tracker_class():
 
         def track(self, t: Any) -> None:
             key = id(t.untyped_storage())
-            new = key not in self._sizes
+            new = key not in self._sizes and key not in self._aside
             super().track(t)
-            if new and self._sizes[key][1] >= _SMALLEST:
+            # While a chunk's cost is measured the counter sets a new storage aside instead of
+            # counting it (StepPeakTracker.track); it is counted later if it outlives the
+            # measurement, so it is described now, from whichever table holds it.
+            entry = self._sizes.get(key) or self._aside.get(key)
+            if new and entry is not None and entry[1] >= _SMALLEST:
                 site = " < ".join(reversed(_pareprop_frames(3)))
                 self._made_by[key] = f"{self._op} {tuple(t.shape)} {t.dtype} at {site}"
             elif new:

@@ -113,6 +113,9 @@ def _cases(root):
         "plan out under a file": ["plan", *plan[:-1], str(root / "a_file" / "plan"),
                                   "--batch-sizes", "2"],
         "plan amp fp8": ["plan", *plan, "--batch-sizes", "2", "--amp", "fp8"],
+        "plan coupling beta -1": ["plan", *plan, "--batch-sizes", "2", "--coupling", "1", "-1"],
+        "plan coupling of no converted model": ["plan", *plan, "--batch-sizes", "2",
+                                                "--coupling", "0", "1"],
         "eval checkpoint missing": [*ev[:ev.index("--checkpoint") + 1], str(root / "nope.pth"),
                                     *ev[ev.index("--checkpoint") + 2:]],
     }

@@ -200,3 +200,55 @@ def test_a_pretrained_start_validates_with_the_models_data_config(tmp_path):
     assert timm.models.get_pretrained_cfg(SOURCE).mean == (0.5, 0.5, 0.5)
     assert config["mean"] == config["std"] == [0.5] and config["interpolation"] == "bicubic"
     assert config["input_size"] == [1, 8, 8]
+
+
+def _timm_hub_of_default_weights(monkeypatch):
+    """timm's own load_pretrained, fed the weights of the source's default configuration
+    (what the hub holds), so timm raises what it raises on a download."""
+    import timm.models._builder as builder
+
+    weights = timm.create_model(SOURCE).state_dict()
+    monkeypatch.setattr(builder, "load_state_dict_from_hf", lambda *a, **k: dict(weights))
+
+
+def test_model_args_that_do_not_fit_timms_weights_are_named_in_one_line(monkeypatch):
+    from pareprop.finetune import load_timm_pretrained
+    from pareprop.pretrained import PretrainedError
+
+    _timm_hub_of_default_weights(monkeypatch)
+    # img_size and num_heads fit (timm resamples pos_embed; heads change no shape); depth at
+    # timm's 1000 classes (a strict load) and embed_dim do not.
+    model = pareprop.create_model("converted_vit", source=SOURCE, tolerance=None, depth=2,
+                                  embed_dim=16, num_heads=2, img_size=32)
+    with pytest.raises(PretrainedError) as err:
+        load_timm_pretrained(model, SOURCE)
+    text = str(err.value)
+    assert "\n" not in text and "--model-arg depth=2 --model-arg embed_dim=16 (" in text
+    assert "drop depth, embed_dim from --model-arg" in text and "num_heads" not in text
+    assert "--pretrained-file" in text and "--from-scratch" in text
+    assert "(cls_token: (1, 1, 192) in the weights, (1, 1, 16) here" in text
+    fits = pareprop.create_model("converted_vit", source=SOURCE, tolerance=None, depth=2,
+                                 num_classes=10, img_size=32)
+    load_timm_pretrained(fits, SOURCE)  # another class count: timm loads the first blocks
+
+
+def test_config_fields_timm_does_not_take_are_named_in_one_line(monkeypatch):
+    # converted_mvitv2 applies MultiScaleVitCfg fields itself; timm's factory refuses them.
+    from pareprop.finetune import load_timm_pretrained
+    from pareprop.pretrained import PretrainedError
+
+    model = pareprop.create_model("converted_mvitv2", source="mvitv2_tiny", tolerance=None,
+                                  depths=[1, 1, 1, 1], img_size=32, num_classes=3)
+    with pytest.raises(PretrainedError, match=r"--model-arg depths=\[1, 1, 1, 1\] \(.*"
+                       r"unexpected keyword argument 'depths'\); drop depths from --model-arg"):
+        load_timm_pretrained(model, "mvitv2_tiny")
+
+
+def test_cli_convert_from_with_a_misfit_model_arg_is_one_line(tmp_path, monkeypatch, capsys):
+    _timm_hub_of_default_weights(monkeypatch)
+    rc = main(["--convert-from", SOURCE, "--model-arg", "embed_dim=24",
+               "--model-arg", "img_size=32", "--model-arg", "depth=1", "--epochs", "1",
+               "--max-steps", "1", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "--model-arg embed_dim=24 (" in err and "img_size" not in err.split("(")[0]

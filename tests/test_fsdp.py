@@ -5,6 +5,7 @@ accumulation, with one stored block and with the non-reversible blocks checkpoin
 model's transitions too); each rank holds about half of the bytes."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -123,35 +124,44 @@ def _worker(rank, world, init_file, out):
                              world_size=world)
     try:
         results = {}
-        for family, engine, variant in _cases():
-            inputs, y = _batch(family)
-            xs, ys = _half(inputs, y, rank, world)  # this process's half of the batch
-            model = _model(family, engine)
-            if variant == "stored":
-                for stack in model.modules():
-                    if isinstance(stack, pareprop.ReversibleStack):
-                        stack.store_blocks([len(stack.blocks) // 2])
-            if variant == "grad_ckpt":
-                model.set_grad_checkpointing()
-            if variant == "chunked":
-                pareprop.set_chunking(model, chunks=2)
-            full_bytes = _local_bytes(model)
-            fsdp.shard(model)
-            micro = _micro(xs, ys) if variant == "accum" else [(xs, ys)]
-            fsdp.ENABLE_EARLY_REDUCE = variant != "late_reduce"
-            try:
-                # FSDP averages over processes; the loss is a mean over each half already.
-                grads, weights = _grads_and_step(model, micro, _full)
-            finally:
-                fsdp.ENABLE_EARLY_REDUCE = True
-            results[(family, engine, variant)] = (grads, weights,
-                                                  _local_bytes(model) / full_bytes)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run_cases(results, rank, world)
+        # FSDP2 warns once per unit that returns a view (its pre-backward hook sits on it).
+        results["view_warnings"] = sorted({str(w.message).split(")")[0] for w in caught
+                                           if "returned a view tensor" in str(w.message)})
         for family in FAMILIES:
             results[(family, "bytes")] = _bytes_per_rank(family, rank, world)
         results["refused"] = _manual_block_wrapper_refused()
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         tdist.destroy_process_group()
+
+
+def _run_cases(results, rank, world):
+    for family, engine, variant in _cases():
+        inputs, y = _batch(family)
+        xs, ys = _half(inputs, y, rank, world)  # this process's half of the batch
+        model = _model(family, engine)
+        if variant == "stored":
+            for stack in model.modules():
+                if isinstance(stack, pareprop.ReversibleStack):
+                    stack.store_blocks([len(stack.blocks) // 2])
+        if variant == "grad_ckpt":
+            model.set_grad_checkpointing()
+        if variant == "chunked":
+            pareprop.set_chunking(model, chunks=2)
+        full_bytes = _local_bytes(model)
+        fsdp.shard(model)
+        micro = _micro(xs, ys) if variant == "accum" else [(xs, ys)]
+        fsdp.ENABLE_EARLY_REDUCE = variant != "late_reduce"
+        try:
+            # FSDP averages over processes; the loss is a mean over each half already.
+            grads, weights = _grads_and_step(model, micro, _full)
+        finally:
+            fsdp.ENABLE_EARLY_REDUCE = True
+        results[(family, engine, variant)] = (grads, weights,
+                                              _local_bytes(model) / full_bytes)
 
 
 def _bytes_per_rank(family, rank, world):
@@ -226,6 +236,17 @@ def test_each_rank_holds_half_the_bytes(fsdp_results, family):
             assert 0.4 < share < 0.6, (what, share)
     totals = [sum(fsdp_results[r][(family, "bytes")][i] for r in range(2)) for i in range(3)]
     assert all(abs(t - 1) < 1e-9 for t in totals), totals  # the shards partition the model
+
+
+def test_the_patch_embedding_returns_no_view(fsdp_results):
+    # NOTE [ Patch tokens are not a view ] in pareprop/layers/patch_embed.py: every family's
+    # patch embedding (FSDPPatchEmbed) was warned about. Still warned (2026-12-05): Swin's
+    # StreamFusion and the Rev-MViT transitions, whose last Linear on a (B, H, W, C) map
+    # returns a view of its 2-D product; a copy there would cost a map per stage.
+    for results in fsdp_results:
+        assert results["view_warnings"], ("none recorded: the record is broken, or the units "
+                                          "above were fixed (then drop this line)")
+        assert not [w for w in results["view_warnings"] if "PatchEmbed" in w]
 
 
 def test_hand_made_fsdp_block_is_still_refused(fsdp_results):

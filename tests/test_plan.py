@@ -40,6 +40,12 @@ def test_plan_writes_json_and_plot_with_the_largest_batch(tmp_path, capsys):
     (["--memory", "80 gigs"], "expected a memory size such as 80GiB"),
     (["--memory", "80GiB", "--engines", "warp"], "expected an engine that applies"),
     ([], "expected --batch-sizes, --memory or both"),
+    (["--batch-sizes", "2", "--coupling", "0", "1"],
+     "--coupling 0 1 sets the coupling of converted models, and --models "
+     "rev_vit_tiny_patch4_32 has none"),
+    (["--batch-sizes", "2", "--coupling", "1", "-0.5"], "expected finite alpha and beta >= 0"),
+    (["--batch-sizes", "2", "--coupling", "1", "inf"], "expected finite alpha and beta >= 0"),
+    (["--batch-sizes", "2", "--coupling", "half", "1"], "expected numbers alpha and beta"),
 ])
 def test_plan_refuses_bad_options(argv, message, tmp_path, capsys):
     rc = main(["plan", *SMALL, *argv, "--out", str(tmp_path / "x")])
@@ -115,3 +121,50 @@ def test_plan_cli_grad_checkpointing_labels_and_lowers_the_records(tmp_path, cap
                   for d in ("a", "b"))
     assert (a["grad_checkpointing"], b["grad_checkpointing"]) == (False, True)
     assert b["activations"] < a["activations"]
+
+
+# --- converted models at a coupling ----------------------------------------------------------
+
+CONVERTED = ["--models", "converted:vit_small_patch16_224", "vit_small_patch16_224",
+             "--engines", "reversible", "plain", "--depth", "3", "--img-size", "32",
+             "--device", "cpu", "--batch-sizes", "4"]
+
+
+def _records(tmp_path, *coupling):
+    out = tmp_path / "_".join(coupling)
+    assert main(["plan", *CONVERTED, "--coupling", *coupling, "--out", str(out)]) == 0
+    return {r["model"]: r for r in json.loads((out / "plan.json").read_text())["records"]}
+
+
+def test_plan_cli_coupling_reaches_the_converted_models_only(tmp_path, capsys):
+    # (1, 0) is timm's network: beta = 0 cannot be inverted, every block keeps its graph, and
+    # the plan is the source's under plain autograd. Any beta > 0 rebuilds every block (a plan
+    # has no precision guard), as (0, 1) does.
+    pretrained, midway, reversible = (_records(tmp_path, *c) for c in
+                                      (("1", "0"), ("0.5", "0.5"), ("0", "1")))
+    source = pretrained["vit_small_patch16_224"]
+    assert pretrained["converted:vit_small_patch16_224"]["activations"] == source["activations"]
+    assert source["coupling"] is None
+    for plan, coupling in ((pretrained, [1.0, 0.0]), (midway, [0.5, 0.5]),
+                           (reversible, [0.0, 1.0])):
+        assert plan["converted:vit_small_patch16_224"]["coupling"] == coupling
+        assert plan["vit_small_patch16_224"] == dict(source, coupling=None)
+    kept = {name: plan["converted:vit_small_patch16_224"]["activations"]
+            for name, plan in (("pretrained", pretrained), ("midway", midway),
+                               ("reversible", reversible))}
+    assert kept["midway"] == kept["reversible"] < kept["pretrained"] / 4
+    assert "--coupling ALPHA BETA" in _help(capsys)
+
+
+def _help(capsys):
+    capsys.readouterr()
+    assert main(["plan", "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_cli_refuses_a_budget_at_beta_zero(tmp_path, capsys):
+    rc = main(["plan", *CONVERTED, "--coupling", "1", "0", "--memory-budgets", "0.5",
+               "--out", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "beta = 0 cannot be inverted" in err

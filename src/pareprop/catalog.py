@@ -46,7 +46,9 @@ __all__ = [
     "ModelFacts",
     "ModelRequest",
     "CONVERTED_PREFIX",
+    "CONVERTED_COUPLING",
     "converted_source",
+    "is_converted",
     "model_source",
     "model_facts",
     "engines_for",
@@ -74,14 +76,23 @@ REVERSIBLE_MODEL_ENGINES = tuple(ENGINES) + ("checkpointed",)
 # (0, 1) unless a ``coupling`` override says otherwise: at (1, 0) every block is stored, which
 # is plain fine-tuning's memory, not what converting buys. No precision guard is attached
 # (``tolerance=None``): a plan has no values to measure, and the coupling planned is the one
-# given. ``img_size`` and ``depth`` go to the source's constructor.
+# given. ``img_size`` and ``depth`` go to the source's constructor. ``pareprop plan --coupling``
+# (plan_sweep's ``coupling``) gives the override to the names is_converted() knows, and to no
+# other model, whose constructor would refuse the keyword.
 
 CONVERTED_PREFIX = "converted:"
+CONVERTED_COUPLING = (0.0, 1.0)  # a converted:SOURCE name's (alpha, beta) unless overridden
 
 
 def converted_source(name: str) -> Optional[str]:
     """The source of a ``converted:SOURCE`` name, or None for other names."""
     return name[len(CONVERTED_PREFIX):] if name.startswith(CONVERTED_PREFIX) else None
+
+
+def is_converted(name: str) -> bool:
+    """Whether ``name`` builds a converted model, whose coupling an override ``coupling``
+    sets: ``converted:SOURCE``, or a registered converted model (``converted_vit``...)."""
+    return converted_source(name) is not None or name in converted_model_names()
 
 
 def model_source(name: str) -> str:
@@ -167,7 +178,7 @@ def _default_converted(name: str) -> nn.Module:
 
 def _create_converted(name: str, kwargs: Dict[str, Any]) -> nn.Module:
     source = converted_source(name)
-    kwargs = {"coupling": (0.0, 1.0), "tolerance": None, **kwargs, "source": source}
+    kwargs = {"coupling": CONVERTED_COUPLING, "tolerance": None, **kwargs, "source": source}
     return create_model(converted_model_name(source), **kwargs)
 
 
@@ -230,7 +241,7 @@ class ModelRequest:
 def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn.Module:
     """Build ``request.model`` with its overrides, in its engine or baseline mode."""
     facts = facts if facts is not None else model_facts(request.model)
-    if facts.source == "converted" or request.model in converted_model_names():
+    if is_converted(request.model):
         # img_size and depth are the source's; a registered converted model (converted_vit)
         # takes them as the source's keywords too.
         kwargs = _source_kwargs(request)

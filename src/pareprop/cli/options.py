@@ -1,8 +1,9 @@
 """What the subcommands' options accept, checked while the command line is parsed.
 
 :class:`Parser` is ``argparse.ArgumentParser`` with one-line errors; the rest are argparse
-``type=`` functions shared by ``train``, ``eval``, ``bench`` and ``plan``, so a bad value is
-refused with the same message by every command that takes it, before anything runs.
+``type=`` functions shared by ``train``, ``eval``, ``bench`` and ``plan`` (and
+:class:`CouplingPair`, an action: one option of two numbers checked together), so a bad value
+is refused with the same message by every command that takes it, before anything runs.
 
 NOTE [ One line, exit 2 ]
     Every bad command line ends with exit status 2 and one line on stderr,
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from pareprop.convert import check_coupling
 from pareprop.devices import device_here
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "device",
     "existing_path",
     "output_folder",
+    "CouplingPair",
 ]
 
 
@@ -107,3 +110,22 @@ def output_folder(text: str) -> str:
             "give another path"
         )
     return text
+
+
+class CouplingPair(argparse.Action):
+    """An action for ``--coupling ALPHA BETA`` (``nargs=2``): the pair as
+    :func:`pareprop.convert.check_coupling` accepts it, stored as a tuple of floats.
+
+    An action, not a ``type=``: a type sees one word at a time, and what is valid (beta >= 0,
+    both finite) is said of the pair. An ``argparse.ArgumentError`` raised here becomes the
+    one-line ``argument --coupling: ...`` of NOTE [ One line, exit 2 ].
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        words: Sequence[str] = values
+        try:
+            pair = check_coupling(*words)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, pair)

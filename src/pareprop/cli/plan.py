@@ -16,6 +16,8 @@ Examples::
         checkpointed --amp bf16 --memory 80GiB --grad-checkpointing
     pareprop plan --models converted:vit_base_patch16_224 vit_base_patch16_224 \\
         --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes 1GiB
+    pareprop plan --models converted:vit_base_patch16_224 --engines reversible \\
+        --coupling 0.5 0.5 --amp bf16 --batch-sizes 64
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from pareprop.catalog import ALL_ENGINES
+from pareprop.catalog import ALL_ENGINES, is_converted
 from pareprop.cli.bench import _split
-from pareprop.cli.options import Parser, fraction, output_folder, positive_int
+from pareprop.cli.options import (
+    CouplingPair,
+    Parser,
+    fraction,
+    output_folder,
+    positive_int,
+)
 from pareprop.memory import parse_memory
 from pareprop.memory.sweep import format_plan, plan_sweep
 from pareprop.plots import plot_plan
@@ -46,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", required=True, metavar="NAME",
                    help="pareprop registry names, timm names, torchvision's video MViTs "
                    "mvit_v1_b, mvit_v2_s and 2-D Swins swin_t ... swin_v2_b (baselines), and "
-                   "converted:SOURCE (timm's or "
-                   "torchvision's SOURCE converted by pareprop.convert, at coupling (0, 1))")
+                   "converted:SOURCE (timm's or torchvision's SOURCE converted by "
+                   "pareprop.convert, at coupling (0, 1) unless --coupling says otherwise)")
     p.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), metavar="ENGINE",
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
                    "that apply)")
@@ -70,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "chunks of at most SIZE saved bytes (256MiB...), or 'auto': the size whose "
                    "plan has the lowest peak; with --memory, chosen near the largest batch and "
                    "held through its search (default: whole branches)")
+    p.add_argument("--coupling", nargs=2, action=CouplingPair, metavar=("ALPHA", "BETA"),
+                   help="converted models (converted:SOURCE, converted_vit...): plan them at "
+                   "the coupling z' = ALPHA z + BETA z_prev + H(z) (docs/convert.md): (1, 0) is "
+                   "the pretrained network, whose every block is stored (beta = 0 cannot be "
+                   "inverted), so its plan is the source's under autograd; (0, 1), the default "
+                   "of converted:SOURCE, is reversible; any beta > 0 plans every block "
+                   "rebuilt. Other models are planned as they are; refused when --models has no "
+                   "converted model")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device planned for (default: %(default)s)")
     p.add_argument("--out", default="plan_results", metavar="DIR", type=output_folder,
@@ -95,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"reversible engines to store, and --engines {' '.join(_split(args.engines))} "
                 "has none: add reversible or pareprop, or drop --memory-budgets"
             )
+        _check_coupling(args)
         extra = {} if args.depth is None else {"depth": args.depth}
         if args.num_frames is not None:
             extra["num_frames"] = args.num_frames
@@ -102,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
                           device=args.device, memory_budgets=args.memory_budgets,
                           grad_checkpointing=args.grad_checkpointing,
-                          chunk_bytes=args.chunk_bytes, **extra)
+                          chunk_bytes=args.chunk_bytes, coupling=args.coupling, **extra)
     except ValueError as err:
         print(f"pareprop plan: error: {err}", file=sys.stderr)
         return 2
@@ -114,6 +131,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     png = plot_plan(plan, os.path.join(args.out, "plan.png"))
     print(f"\nwrote {path} and {png}")
     return 0
+
+
+def _check_coupling(args: argparse.Namespace) -> None:
+    if args.coupling is None:
+        return
+    pair = " ".join(f"{c:g}" for c in args.coupling)
+    models = _split(args.models)
+    if not any(is_converted(name) for name in models):
+        raise ValueError(
+            f"--coupling {pair} sets the coupling of converted models, and --models "
+            f"{' '.join(models)} has none: add a converted:SOURCE name, or drop --coupling"
+        )
+    budgets = [b for b in args.memory_budgets if b is not None]
+    if budgets and args.coupling[1] == 0.0:
+        raise ValueError(
+            f"--coupling {pair} stores every block of a converted model (beta = 0 cannot be "
+            "inverted), so --memory-budgets has no block to choose: give beta > 0, or drop "
+            "--memory-budgets"
+        )
 
 
 if __name__ == "__main__":

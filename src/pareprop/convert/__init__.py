@@ -28,7 +28,13 @@ from pareprop.convert import (  # noqa: F401
     torchvision_swin,
     vit,
 )
-from pareprop.convert.coupling import SCHEDULES, CouplingSchedule, coupling_of, set_coupling
+from pareprop.convert.coupling import (
+    SCHEDULES,
+    CouplingSchedule,
+    check_coupling,
+    coupling_of,
+    set_coupling,
+)
 from pareprop.convert.mvitv2 import ConvertedMultiScaleVit, load_mvitv2_weights
 from pareprop.convert.precision_guard import GuardReport, PrecisionGuard
 from pareprop.convert.source import (
@@ -46,7 +52,7 @@ from pareprop.convert.vit import ConvertedViT, load_timm_weights
 __all__ = [
     "SCHEDULES", "ConvertedMViT", "ConvertedMultiScaleVit", "ConvertedSwin", "ConvertedSwin3d",
     "ConvertedTorchvisionSwin", "ConvertedViT", "CouplingSchedule", "GuardReport",
-    "PrecisionGuard", "UnsupportedModelError",
+    "PrecisionGuard", "UnsupportedModelError", "check_coupling",
     "convert", "converted_model_name", "converted_model_names", "coupling_of",
     "load_mvitv2_weights", "load_timm_weights", "load_torchvision_mvit_weights", "set_coupling",
 ]

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from pareprop.engine import ReversibleStack, skip_scale_value
 
-__all__ = ["SCHEDULES", "CouplingSchedule", "coupling_of", "set_coupling"]
+__all__ = ["SCHEDULES", "CouplingSchedule", "check_coupling", "coupling_of", "set_coupling"]
 
 SCHEDULES = ("linear", "cosine", "reversible")
 
@@ -37,6 +37,25 @@ def _coupled_blocks(model: nn.Module) -> List[Tuple[ReversibleStack, List[nn.Mod
     return found
 
 
+def check_coupling(alpha: Any, beta: Any) -> Tuple[float, float]:
+    """``(alpha, beta)`` as floats, refused unless both are finite and beta >= 0 (the skip
+    scale a block takes: NOTE [ Skip scale of the coupling ] in pareprop/engine/block.py).
+
+    What :func:`set_coupling` accepts, checked once here so ``pareprop plan --coupling``
+    refuses the same values with the same words before anything is built.
+
+    Raises:
+        ValueError: what was expected and what was given.
+    """
+    try:
+        alpha, beta = float(alpha), float(beta)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected numbers alpha and beta, got ({alpha!r}, {beta!r})") from None
+    if not (math.isfinite(alpha) and math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"expected finite alpha and beta >= 0, got ({alpha!r}, {beta!r})")
+    return alpha, beta
+
+
 def set_coupling(model: nn.Module, alpha: float, beta: float) -> nn.Module:
     """Set (alpha, beta) of every converted block of ``model``.
 
@@ -46,9 +65,7 @@ def set_coupling(model: nn.Module, alpha: float, beta: float) -> nn.Module:
     guard measures on the next training step which blocks must be stored; without one, every
     block is rebuilt.
     """
-    alpha, beta = float(alpha), float(beta)
-    if not (math.isfinite(alpha) and math.isfinite(beta) and beta >= 0):
-        raise ValueError(f"expected finite alpha and beta >= 0, got ({alpha!r}, {beta!r})")
+    alpha, beta = check_coupling(alpha, beta)
     guard = getattr(model, "precision_guard", None)
     for stack, blocks in _coupled_blocks(model):
         for block in blocks:

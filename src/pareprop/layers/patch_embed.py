@@ -123,7 +123,15 @@ class PatchEmbed(nn.Module):
         x = self.proj(x).movedim(1, -1)  # (B, H', W', C) or (B, T', H', W', C)
         if self.flatten:
             x = x.flatten(1, -2)  # (B, N, C)
-        return x
+        # NOTE [ Patch tokens are not a view ]
+        # The channels-last tokens are a view of the convolution's output. Under FSDP2 the
+        # embedding is its own unit, and a unit that returns a view is warned about: FSDP2's
+        # pre-backward hook sits on the output, and an in-place op on a view would drop it
+        # (and the all-gather of the embedding's weights in backward). A copy into a fresh
+        # tensor is what the next op (the position embedding's add, a norm) would have read
+        # anyway, value for value; the convolution's output is freed at once instead of when
+        # the view dies, so the step's peak does not grow.
+        return x.clone(memory_format=torch.contiguous_format)
 
 
 def _to_3tuple_int(value: Union[int, Sequence[int]], name: str) -> Tuple[int, int, int]:

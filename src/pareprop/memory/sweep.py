@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pareprop.catalog import engine_budgets, engine_label, engines_for, model_facts
+from pareprop.catalog import (
+    CONVERTED_COUPLING,
+    converted_source,
+    engine_budgets,
+    engine_label,
+    engines_for,
+    is_converted,
+    model_facts,
+)
 from pareprop.memory.plan import largest_batch, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
@@ -13,7 +21,7 @@ __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
 # One record per model, engine and batch size, in plan.json and the printed table.
 PLAN_FIELDS = ("model", "engine", "memory_budget", "grad_checkpointing", "batch_size",
                "amp", "img_size", "device", *BYTE_FIELDS,
-               "inputs", "transient", "floor", "chunk_bytes", "fits")
+               "inputs", "transient", "floor", "chunk_bytes", "coupling", "fits")
 
 
 def plan_sweep(
@@ -27,6 +35,7 @@ def plan_sweep(
     memory_budgets: Sequence[Optional[float]] = (None,),
     grad_checkpointing: bool = False,
     chunk_bytes: Any = None,
+    coupling: Optional[Tuple[float, float]] = None,
     **overrides: Any,
 ) -> Dict[str, Any]:
     """Plan every model with every engine that applies to it, at every batch size.
@@ -45,10 +54,16 @@ def plan_sweep(
             that).
         chunk_bytes: chunked branches for the reversible engines (``None``, bytes or
             ``"auto"``; see :func:`plan_memory`); other engines are planned without.
+        coupling: ``(alpha, beta)`` of every converted model among ``models``
+            (:func:`pareprop.catalog.is_converted`; ``None``: each one's own, (0, 1) for
+            ``converted:SOURCE``); the other models have no coupling and are planned as they
+            are. At beta = 0 a converted model stores every block (it cannot be inverted).
 
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
-        "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`.
+        "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`
+        (``coupling``: the converted model's ``[alpha, beta]``; ``None`` for other models, and
+        for registered converted models planned at their own default).
     """
     if img_size is not None:
         overrides["img_size"] = img_size
@@ -58,11 +73,16 @@ def plan_sweep(
         mine = engines_for(name, engines)
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
+        # Only a converted model takes a coupling: any other model's constructor would refuse it.
+        own = dict(overrides)
+        if coupling is not None and is_converted(name):
+            own["coupling"] = tuple(float(c) for c in coupling)
+        planned = own.get("coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, memory_budgets):
             gc = grad_checkpointing and model_facts(name).reversible
             chunked = chunk_bytes if engine in ("reversible", "pareprop") else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
-                      chunk_bytes=chunked, **overrides)
+                      chunk_bytes=chunked, **own)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
             if memory_bytes is not None:
                 best, searched = largest_batch(name, engine, memory_bytes, **kw)
@@ -77,6 +97,7 @@ def plan_sweep(
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
                 d.update(img_size=img_size, memory_budget=budget,
+                         coupling=None if planned is None else list(planned),
                          fits=reports[bs].fits(memory_bytes))
                 records.append({k: d.get(k) for k in PLAN_FIELDS})
     return {"memory_bytes": memory_bytes, "records": records, "largest_batch": largest}
