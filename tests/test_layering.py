@@ -37,9 +37,9 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
     # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
-    # video: decoding, clips and multi-view evaluation of video data sets.
+    # data: the data config, image and video data sets, COCO-format detection data.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
-     "pareprop.pretrained", "pareprop.video"),
+     "pareprop.pretrained"),
     ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
