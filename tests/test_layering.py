@@ -35,6 +35,8 @@ LAYERS: List[Tuple[str, ...]] = [
     # module per source family (each registers its named model, as pareprop.models does).
     ("pareprop.convert",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
+    # torchvision's detectors on pareprop's backbones, their COCO AP and pictures.
+    ("pareprop.detection",),
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
     # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
     # data: the data config, image and video data sets, COCO-format detection data.
