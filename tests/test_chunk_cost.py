@@ -237,7 +237,7 @@ def test_blocks_alike_have_one_structure_and_settings_tell_them_apart():
 
 
 def _graph_bytes_calls(monkeypatch):
-    from pareprop.layers import recompute
+    from pareprop.engine import recompute
 
     calls = []
     for module in (chunked, recompute):
@@ -270,7 +270,7 @@ def test_plans_that_share_chunk_costs_are_the_plans_that_measure_them(name, ckpt
     # the same batch again: only what has no structure to share (Rev-ViT's head, not a module)
     assert counts[1] == counts[3] < counts[0]
     monkeypatch.setattr(chunking, "planned_cost", lambda module, key, measure: measure())
-    for module in (chunked, pareprop.layers.recompute):
+    for module in (chunked, pareprop.engine.recompute):
         monkeypatch.setattr(module, "planned_cost", chunking.planned_cost)
     measured, every = [], []
     for batch, size in configs:

@@ -11,8 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
-from pareprop.engine import chunked, schedules
-from pareprop.layers import recompute
+from pareprop.engine import chunked, recompute, schedules
 from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
 

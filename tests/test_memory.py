@@ -11,7 +11,7 @@ import pareprop
 from pareprop import chunking
 from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.engine import chunked as engine_chunked
-from pareprop.layers import recompute
+from pareprop.engine import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
 from pareprop.memory import plan as plan_module
 from pareprop.memory.plan import MAX_BATCH

@@ -11,7 +11,7 @@ import torch
 
 from pareprop import chunking
 from pareprop.engine import chunked as engine_chunked
-from pareprop.layers import recompute
+from pareprop.engine import recompute
 from pareprop.memory import measure, plan_memory
 from pareprop.memory.step import create_optimizer_state, make_optimizer, run_step
 from test_memory import FAMILIES, _real

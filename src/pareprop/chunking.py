@@ -142,7 +142,7 @@ def chunks(size: int, count: int) -> List[Chunk]:
 # Fake tensors hold no values, so the chunks left out change nothing else. Until 2026-12-04 a
 # plan traced one chunk of each (previous length, length) pair, up to four; three cut a
 # Rev-MViTv2-B plan in chunks of 1/32 from 8.1 to 6.2 s. The checkpointed blocks of
-# pareprop.layers.recompute keep every chunk's output until they are joined, and every chunk's
+# pareprop.engine.recompute keep every chunk's output until they are joined, and every chunk's
 # input gradient until the last is done, so there the chunks differ by what came before: see
 # NOTE [ Planning checkpointed chunks ] in that module.
 _DISTINCT_ONLY = [0]  # > 0 while a plan traces only the distinct chunks
@@ -278,7 +278,7 @@ def dropout(
 
 # NOTE [ Measuring a chunk's graph ]
 # Chunking by bytes needs what one chunk's graph saves. Both places that chunk (the engine's
-# branches, pareprop.layers.recompute's checkpointed blocks) build the graph of a chunk of one
+# branches, pareprop.engine.recompute's checkpointed blocks) build the graph of a chunk of one
 # and of two units under a saved-tensors hook, count each saved storage once, and fit
 # ``fixed + per_unit * units``. The hook must hold every saved tensor until the count is done:
 # a storage freed in the middle of the measurement (the graph itself keeps nothing, so an MLP's

@@ -30,8 +30,8 @@ from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
-from pareprop.finetune import load_timm_pretrained
 from pareprop.models.published import PretrainedError
+from pareprop.trainer.finetune import load_timm_pretrained
 from pareprop.video import is_video_model
 
 __all__ = ["main", "build_parser"]
