@@ -214,7 +214,7 @@ def test_every_size_parser_takes_the_same_forms():
     import math
 
     import pareprop
-    from pareprop.chunking import parse_chunking
+    from pareprop.engine.chunk_cost import parse_chunking
     from pareprop.memory import parse_memory
     from pareprop.memory.budget import parse_budget
 

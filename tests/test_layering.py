@@ -62,6 +62,7 @@ MODULES = _module_names()
 # first): each imports only modules before it here; the package's __init__ (last) names the
 # public surface.
 ENGINE_ORDER: List[str] = [
+    "pareprop.engine.chunk_cost",  # how many chunks a branch runs in, and what a chunk costs
     "pareprop.engine.block",  # ReversibleBlock, the skip scale
     "pareprop.engine.fallback",  # PaReprop's fallback to Reprop when it measures slower
     "pareprop.engine.replay",  # state captured in forward, replayed in recomputation

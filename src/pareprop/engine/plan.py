@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.chunking import Chunking
 from pareprop.engine.block import ReversibleBlock
+from pareprop.engine.chunk_cost import Chunking
 from pareprop.engine.fallback import ScheduleChoice
 from pareprop.engine.replay import (
     _AutocastState,

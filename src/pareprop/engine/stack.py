@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunking, parse_chunking
 from pareprop.engine.block import ReversibleBlock, skip_scale
+from pareprop.engine.chunk_cost import Chunking, parse_chunking
 from pareprop.engine.fallback import ScheduleChoice
 from pareprop.engine.forward import _couple
 from pareprop.engine.function import _ReversibleFunction

@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from pareprop.chunking import Chunk, Chunking, Split
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine.chunk_cost import Chunking
 from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import (
     Mlp,

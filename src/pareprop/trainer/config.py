@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from pareprop.chunking import parse_chunking
 from pareprop.devices import check_device_name
+from pareprop.engine.chunk_cost import parse_chunking
 from pareprop.memory.budget import parse_budget
 from pareprop.trainer.finetune import apply_convert_options
 
