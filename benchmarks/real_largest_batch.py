@@ -36,7 +36,7 @@ import torch
 from _steps import build, failure, inputs_for, is_oom, training_step
 
 import pareprop
-from pareprop.chunking import Chunking, parse_bytes
+from pareprop.engine.chunk_cost import Chunking, parse_bytes
 from pareprop.memory import memory_report
 
 GiB = 2**30

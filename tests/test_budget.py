@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.budget import parse_budget
 from pareprop.memory import parse_memory as parse_bytes
+from pareprop.memory.budget import parse_budget
 from pareprop.testing import engine_errors, worst_error
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.chunking import graph_bytes, linear_cost
-from pareprop.engine import chunked
+from pareprop.engine import chunk_cost, chunked
+from pareprop.engine.chunk_cost import graph_bytes, linear_cost
 
 
 def test_graph_bytes_counts_maps_whose_storage_died_during_the_build():
@@ -93,13 +93,13 @@ def test_max_bytes_caps_what_a_chunk_of_attention_holds(monkeypatch):
     # A cap of 4 samples' graph: counted by numel a sample looked 6,272 bytes, not 8,320, and
     # the branch ran in chunks of 5 samples, each holding 41,600 bytes over the 33,280 asked.
     seen = []
-    count_for = pareprop.chunking.Chunking.count_for
+    count_for = pareprop.engine.chunk_cost.Chunking.count_for
 
     def spy(self, size, fixed=0.0, per_unit=0.0):
         seen.append((size, count_for(self, size, fixed, per_unit)))
         return seen[-1][1]
 
-    monkeypatch.setattr(pareprop.chunking.Chunking, "count_for", spy)
+    monkeypatch.setattr(pareprop.engine.chunk_cost.Chunking, "count_for", spy)
     torch.manual_seed(0)
     stack = pareprop.ReversibleStack([_QkvAttentionBlock()], engine="reversible")
     cap = _attention_bytes(4)
@@ -139,7 +139,7 @@ def test_rev_vit_base_chunk_counts_and_transient_where_cuda_ran_whole():
     # gives at 256 MiB, never 1, in forward and backward, and the step's transient grows with
     # the batch, not by a whole-batch MLP map.
     seen = []
-    count_for = pareprop.chunking.Chunking.count_for
+    count_for = pareprop.engine.chunk_cost.Chunking.count_for
 
     def spy(self, size, fixed=0.0, per_unit=0.0):
         count = count_for(self, size, fixed, per_unit)
@@ -148,7 +148,7 @@ def test_rev_vit_base_chunk_counts_and_transient_where_cuda_ran_whole():
 
     transient = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pareprop.chunking.Chunking, "count_for", spy)
+        mp.setattr(pareprop.engine.chunk_cost.Chunking, "count_for", spy)
         for batch in (3500, 4000):
             seen.clear()
             report = pareprop.plan_memory("rev_vit_base_patch16_224", batch, "reversible",
@@ -210,8 +210,8 @@ def test_rev_vit_head_in_chunks_keeps_no_whole_2c_map(monkeypatch):
 
 
 def test_blocks_alike_have_one_structure_and_settings_tell_them_apart():
-    from pareprop.chunking import structure
     from pareprop.engine import ReversibleStack
+    from pareprop.engine.chunk_cost import structure
 
     with torch.device("meta"):  # stages of 1, 1, 10 and 1 blocks
         model = pareprop.create_model("rev_mvitv2_base", num_classes=10)
@@ -237,7 +237,7 @@ def test_blocks_alike_have_one_structure_and_settings_tell_them_apart():
 
 
 def _graph_bytes_calls(monkeypatch):
-    from pareprop.layers import recompute
+    from pareprop.engine import recompute
 
     calls = []
     for module in (chunked, recompute):
@@ -255,13 +255,12 @@ def _graph_bytes_calls(monkeypatch):
 ])
 def test_plans_that_share_chunk_costs_are_the_plans_that_measure_them(name, ckpt, overrides,
                                                                       monkeypatch):
-    from pareprop import chunking
     from pareprop.memory import plan_memory
 
     kw = dict(device="cpu", num_classes=10, grad_checkpointing=ckpt, **overrides)
     configs = [(6, 16 * 2**10), (6, 64 * 2**10), (10, 256 * 2**10), (6, 16 * 2**10)]
     calls = _graph_bytes_calls(monkeypatch)
-    monkeypatch.setattr(chunking, "_PLANNED_COSTS", {})
+    monkeypatch.setattr(chunk_cost, "_PLANNED_COSTS", {})
     shared, counts = [], []
     for batch, size in configs:
         shared.append(plan_memory(name, batch, "reversible", chunk_bytes=size, **kw).to_dict())
@@ -269,9 +268,9 @@ def test_plans_that_share_chunk_costs_are_the_plans_that_measure_them(name, ckpt
         calls.clear()
     # the same batch again: only what has no structure to share (Rev-ViT's head, not a module)
     assert counts[1] == counts[3] < counts[0]
-    monkeypatch.setattr(chunking, "planned_cost", lambda module, key, measure: measure())
-    for module in (chunked, pareprop.layers.recompute):
-        monkeypatch.setattr(module, "planned_cost", chunking.planned_cost)
+    monkeypatch.setattr(chunk_cost, "planned_cost", lambda module, key, measure: measure())
+    for module in (chunked, pareprop.engine.recompute):
+        monkeypatch.setattr(module, "planned_cost", chunk_cost.planned_cost)
     measured, every = [], []
     for batch, size in configs:
         measured.append(plan_memory(name, batch, "reversible", chunk_bytes=size, **kw).to_dict())
@@ -282,18 +281,17 @@ def test_plans_that_share_chunk_costs_are_the_plans_that_measure_them(name, ckpt
 
 
 def test_what_a_measurement_makes_is_not_counted_unless_it_outlives_it(monkeypatch):
-    from pareprop import chunking
     from pareprop.memory.measure import StepPeakTracker
 
     tracker = StepPeakTracker()
     with tracker:
         base = torch.zeros(100)  # 400 bytes
-        monkeypatch.setattr(chunking, "_MEASURING", [1])
+        monkeypatch.setattr(chunk_cost, "_MEASURING", [1])
         graph = torch.ones(1000)  # a measured graph: 4000 bytes, never counted
         left = torch.ones(10)  # outlives the measurement: 40 bytes, counted from its end
         aliased = base[:50] + 0  # 200 bytes, freed inside
         del graph, aliased
-        monkeypatch.setattr(chunking, "_MEASURING", [0])
+        monkeypatch.setattr(chunk_cost, "_MEASURING", [0])
         assert tracker.current == tracker.peak == 400
         after = base * 2  # the next operator counts what the measurement left
         assert tracker.current == 400 + 40 + 400

@@ -11,8 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
-from pareprop.engine import chunked, schedules
-from pareprop.layers import recompute
+from pareprop.engine import chunk_cost, chunked, recompute, schedules
 from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
 
@@ -495,7 +494,7 @@ def test_blocks_without_a_split_are_checkpointed_whole_under_chunking(monkeypatc
     torch.manual_seed(3)
     layer = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.GELU())
     x = torch.randn(8, 5, DIM, requires_grad=True)
-    out = recompute.maybe_checkpoint(layer, x, True, chunking.Chunking(count=3))
+    out = recompute.maybe_checkpoint(layer, x, True, chunk_cost.Chunking(count=3))
     want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
     got = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
     assert all(relative_error(a, b) < TOL for a, b in zip(got, want))

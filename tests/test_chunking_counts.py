@@ -6,9 +6,9 @@ switch, and a plan at a second batch measuring again what the first batch's plan
 import torch
 
 import pareprop
-from pareprop import chunking
-from pareprop.chunking import Chunking, chunks
-from pareprop.engine import chunked
+from pareprop.chunking import chunks
+from pareprop.engine import chunk_cost, chunked
+from pareprop.engine.chunk_cost import Chunking
 from pareprop.memory import plan_memory
 
 
@@ -67,12 +67,12 @@ def test_a_plan_at_a_second_batch_equals_that_batch_planned_alone(monkeypatch):
     # unit per chunk) nor to 1, so the cost decides them.
     kw = dict(device="cpu", num_classes=10, depth=1, chunk_bytes=256 * 2**10)
     seen = _spy_chunks(monkeypatch)
-    monkeypatch.setattr(chunking, "_PLANNED_COSTS", {})
+    monkeypatch.setattr(chunk_cost, "_PLANNED_COSTS", {})
     plan_memory("rev_vit_tiny_patch4_32", 2, "reversible", **kw)
     seen.clear()
     second = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", **kw).to_dict()
     second_counts = list(seen)
-    monkeypatch.setattr(chunking, "_PLANNED_COSTS", {})
+    monkeypatch.setattr(chunk_cost, "_PLANNED_COSTS", {})
     seen.clear()
     alone = plan_memory("rev_vit_tiny_patch4_32", 8, "reversible", **kw).to_dict()
     assert any(1 < count < size for size, count in seen)

@@ -214,9 +214,9 @@ def test_every_size_parser_takes_the_same_forms():
     import math
 
     import pareprop
-    from pareprop.budget import parse_budget
-    from pareprop.chunking import parse_chunking
+    from pareprop.engine.chunk_cost import parse_chunking
     from pareprop.memory import parse_memory
+    from pareprop.memory.budget import parse_budget
 
     forms = {"268435456": 2**28, "256MiB": 2**28, " 256 mib ": 2**28, "2.5e8": 250_000_000,
              "1.5GB": 1_500_000_000, "2TiB": 2 * 2**40, 2**28: 2**28, 2.5e8: 250_000_000}

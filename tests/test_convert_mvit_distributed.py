@@ -11,8 +11,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 import pareprop
-from pareprop import fsdp
-from pareprop.distributed import wrap_ddp
+from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
 pytestmark = [  # slow: spawned process pairs (README, Development)

@@ -183,7 +183,7 @@ def test_kept_blocks_are_checkpointed_in_chunks_of_samples(monkeypatch):
     # Under set_grad_checkpointing with the stacks chunked, the kept blocks (one a stage after
     # the first) are recomputed in chunks of samples too, not whole (their whole-batch
     # recomputation would set the peak the chunks lower).
-    from pareprop.layers import recompute
+    from pareprop.engine import recompute
 
     counts = []
     real = recompute._checkpoint_chunks

@@ -11,10 +11,9 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 import pareprop
-from pareprop import fsdp
 from pareprop.convert.swin3d import build_swin3d
 from pareprop.convert.torchvision_swin import build_tv_swin
-from pareprop.distributed import wrap_ddp
+from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
 pytestmark = [  # slow: spawned process pairs (README, Development)

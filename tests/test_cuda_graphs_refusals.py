@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import pareprop
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 from pareprop.engine import graphs, replay
 from pareprop.testing import relative_error
 
@@ -190,8 +190,8 @@ def _sharded_as_shard_leaves_it(stack):
 
 
 def test_cuda_graphs_on_an_fsdp2_sharded_stack_are_refused(stand_in):
-    # The state pareprop.fsdp.shard leaves a stack in (tests/test_fsdp_models.py shards a
-    # model for real in two processes and checks the same refusals).
+    # The state pareprop.distributed.fsdp.shard leaves a stack in (tests/test_fsdp_models.py
+    # shards a model for real in two processes and checks the same refusals).
     stack = _sharded_as_shard_leaves_it(_stack())
     with pytest.raises(ValueError, match="cannot capture an FSDP2-sharded stack.*Use DDP"):
         stack.set_engine("reversible", cuda_graphs=True)

@@ -76,7 +76,7 @@ def _worker(rank, world, init_file, out):
             model, wrap_ddp(model, static_graph=True), [(xs, ys)]
         )
         if _CAN_COMPILE:  # compiled F and G (pareprop.compile_blocks) under DDP
-            from pareprop.compile import compile_blocks
+            from pareprop.engine.compile import compile_blocks
 
             model = compile_blocks(_model("reversible").train())
             results[("reversible", "compiled")] = _step(model, wrap_ddp(model), [(xs, ys)])

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pareprop
-from pareprop.drift import drift_report
+from pareprop.memory.drift import drift_report
 
 SMALL = {
     "rev_vit_tiny_patch4_32": dict(depth=2, embed_dim=32, num_heads=2, img_size=16),

@@ -76,7 +76,7 @@ def test_trainer_steps_the_schedule_and_checkpoints_the_coupling(tmp_path):
 def test_coupling_steps_set_the_schedules_length():
     from types import SimpleNamespace
 
-    from pareprop.finetune import make_coupling_schedule
+    from pareprop.trainer.finetune import make_coupling_schedule
 
     model = pareprop.create_model("converted_vit", source=SOURCE, num_classes=5, **TINY)
     for steps, want in ((3, 3), (None, 10)):  # unset: one epoch
@@ -140,7 +140,7 @@ def _fake_timm_hub(monkeypatch, weights=None):
         torch.manual_seed(weights)
         return real(name, **kw)
 
-    monkeypatch.setattr("pareprop.finetune.timm.create_model", create)
+    monkeypatch.setattr("pareprop.trainer.finetune.timm.create_model", create)
     return calls
 
 
@@ -212,8 +212,8 @@ def _timm_hub_of_default_weights(monkeypatch):
 
 
 def test_model_args_that_do_not_fit_timms_weights_are_named_in_one_line(monkeypatch):
-    from pareprop.finetune import load_timm_pretrained
     from pareprop.pretrained import PretrainedError
+    from pareprop.trainer.finetune import load_timm_pretrained
 
     _timm_hub_of_default_weights(monkeypatch)
     # img_size and num_heads fit (timm resamples pos_embed; heads change no shape); depth at
@@ -234,8 +234,8 @@ def test_model_args_that_do_not_fit_timms_weights_are_named_in_one_line(monkeypa
 
 def test_config_fields_timm_does_not_take_are_named_in_one_line(monkeypatch):
     # converted_mvitv2 applies MultiScaleVitCfg fields itself; timm's factory refuses them.
-    from pareprop.finetune import load_timm_pretrained
     from pareprop.pretrained import PretrainedError
+    from pareprop.trainer.finetune import load_timm_pretrained
 
     model = pareprop.create_model("converted_mvitv2", source="mvitv2_tiny", tolerance=None,
                                   depths=[1, 1, 1, 1], img_size=32, num_classes=3)

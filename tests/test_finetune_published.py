@@ -11,7 +11,7 @@ import torch
 from timm.models import group_parameters
 
 import pareprop
-from pareprop.finetune import create_finetune_optimizer, load_initial_weights
+from pareprop.trainer.finetune import create_finetune_optimizer, load_initial_weights
 
 TINY = {
     "rev_vit_tiny_patch4_32": dict(depth=3),

@@ -1,5 +1,5 @@
-"""FSDP2 per block (pareprop.fsdp.shard) on the CPU: 2 gloo processes, float64. For every engine
-and one model of each family, a sharded step on half batches equals one process on the whole
+"""FSDP2 per block (pareprop.distributed.shard) on the CPU: 2 gloo processes, float64. For every
+engine and one model of each family, a sharded step on half batches equals one process on the whole
 batch: full gradients gathered from the shards, weights after an SGD step, with gradient
 accumulation, with one stored block and with the non-reversible blocks checkpointed (the video
 model's transitions too); each rank holds about half of the bytes."""
@@ -13,7 +13,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 import pareprop
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 from pareprop.engine import ENGINES
 
 pytestmark = [  # slow: spawned process pairs (README, Development)

@@ -1,6 +1,6 @@
 """FSDP2 prefetch under PaReprop: each block's explicit prefetch (``unshard(async_op=True)``) is
 issued on the lane that later waits for it (NOTE [ FSDP prefetch on the waiting lane ] in
-pareprop/fsdp.py). On the CPU the lanes run in program order, but the engine keeps the lane id
+distributed/fsdp.py). On the CPU the lanes run in program order, but the engine keeps the lane id
 of the work it queues (pareprop.engine.current_lane), which is what a GPU turns into streams.
 One process with torch's "fake" process group at world size 2: the collectives do nothing, and
 only where each unshard and each wait is queued is checked."""
@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import engine as engine_module
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 from pareprop.engine import lanes as lanes_module
 
 try:  # torch's test helper; registers the "fake" backend

@@ -1,11 +1,11 @@
-"""FSDP2 (pareprop.fsdp.shard) on every registered model's default configuration, at small
+"""FSDP2 (pareprop.distributed.shard) on every registered model's default configuration, at small
 widths: 2 gloo processes, float64. A sharded step on half batches equals one process on the
 whole batch (gradients gathered from the shards, weights after an SGD step), and after it the
 root's forward_features / forward_head / forward_intermediates called directly give one
 process's outputs. The MViT layouts hold stages without reversible blocks, which the models
 call through ``stage.forward_ends`` (issue 39); checkpointed transitions in chunks run through
 ``forward_chunk``. Both are methods other than ``forward`` on an FSDP unit (NOTE [ FSDP units
-called through other methods ] in pareprop/fsdp.py)."""
+called through other methods ] in pareprop/distributed/fsdp.py)."""
 
 import os
 
@@ -15,7 +15,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 import pareprop
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 from pareprop.engine import ENGINES
 
 pytestmark = [  # slow: one spawned process pair for all models (README, Development)

@@ -2,8 +2,9 @@
 
 The order (lowest first; README "Layout" is the same map):
 
-    engine -> engine tools -> layers -> models -> catalog -> memory and budget
-    -> checkpoint, data, plots -> bench and trainer -> pareprop (the public API) -> cli
+    engine -> testing, distributed -> layers -> models -> convert -> catalog -> memory
+    -> checkpoint, data, pretrained -> bench, trainer, evaluate -> pareprop (the public API)
+    -> cli
 
 A module may import its own layer or a lower one. Every import counts, including those inside
 functions (which once hid two import circles); importing ``pareprop.a.b`` also runs the
@@ -23,12 +24,12 @@ PACKAGE = SRC / "pareprop"
 
 # Lowest first. A name stands for a module or a package (with every module inside it).
 LAYERS: List[Tuple[str, ...]] = [
-    # The core: imports nothing of pareprop above it (chunking: how a block's branches split;
-    # devices: the device names a run takes).
-    ("pareprop.engine", "pareprop.chunking", "pareprop.schedule", "pareprop.devices"),
-    # Built on the engine alone: compiling blocks, testing engines against autograd, sharding
-    # (fsdp) and multi-process training (distributed, which offers fsdp.shard beside DDP).
-    ("pareprop.compile", "pareprop.testing", "pareprop.fsdp", "pareprop.distributed"),
+    # The core: imports nothing of pareprop above it (chunking: the contract a block's branches
+    # split by; devices: the device names a run takes).
+    ("pareprop.engine", "pareprop.chunking", "pareprop.devices"),
+    # Built on the engine alone: testing engines against autograd, multi-process training and
+    # sharding (distributed).
+    ("pareprop.testing", "pareprop.distributed"),
     ("pareprop.layers",),
     ("pareprop.models",),
     # Pretrained models rewired as reversible ones: the coupling, the precision guard, one
@@ -37,12 +38,11 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     # torchvision's detectors on pareprop's backbones, their COCO AP and pictures.
     ("pareprop.detection",),
-    ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
-    # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
+    ("pareprop.memory",),  # measuring and planning memory, the memory budget, drift
+    # checkpoint: pareprop checkpoint directories; pretrained: published weights.
     # data: the data config, image and video data sets, COCO-format detection data.
-    ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
-     "pareprop.pretrained"),
-    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
+    ("pareprop.checkpoint", "pareprop.data", "pareprop.pretrained"),
+    ("pareprop.bench", "pareprop.trainer", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
 ]
@@ -64,7 +64,9 @@ MODULES = _module_names()
 # first): each imports only modules before it here; the package's __init__ (last) names the
 # public surface.
 ENGINE_ORDER: List[str] = [
+    "pareprop.engine.chunk_cost",  # how many chunks a branch runs in, and what a chunk costs
     "pareprop.engine.block",  # ReversibleBlock, the skip scale
+    "pareprop.engine.fallback",  # PaReprop's fallback to Reprop when it measures slower
     "pareprop.engine.replay",  # state captured in forward, replayed in recomputation
     "pareprop.engine.plan",  # what forward leaves for backward
     "pareprop.engine.forward",  # the coupling, every call of F and G checked
@@ -75,14 +77,18 @@ ENGINE_ORDER: List[str] = [
     "pareprop.engine.function",  # the autograd Function
     "pareprop.engine.graphs",  # a stack's training step captured as CUDA graphs
     "pareprop.engine.stack",  # ReversibleStack and the model-wide setters
+    "pareprop.engine.compile",  # torch.compile of every block's branches
+    "pareprop.engine.recompute",  # checkpointing the blocks that are not reversible
     "pareprop.engine",
 ]
 
 
 # Inside the trainer package, the same rule: one job a module, in the order a run meets them.
 TRAINER_ORDER: List[str] = [
+    "pareprop.trainer.finetune",  # fine-tuning: conversion options, initial weights
     "pareprop.trainer.config",  # TrainConfig and its checks
     "pareprop.trainer.report",  # the run's messages and metrics.jsonl
+    "pareprop.trainer.rundir",  # the run directory's contents, lock and saved config
     "pareprop.trainer.directory",  # which run directory a run writes, and claiming it
     "pareprop.trainer.setup",  # device, model and data, engine, loaders, optimizer
     "pareprop.trainer.state",  # the training state a checkpoint saves, and resuming it
@@ -349,11 +355,13 @@ def test_no_reach_into_the_engines_private_attributes():
 
 
 def test_the_guard_sees_a_circle_and_an_upward_import():
-    graph = {"pareprop.engine": {"pareprop.budget"}, "pareprop.budget": {"pareprop.engine"}}
-    assert _cycles(graph) == [["pareprop.budget", "pareprop.engine", "pareprop.budget"]]
-    assert _layer("pareprop.budget") > _layer("pareprop.engine")
-    assert _layer("pareprop.memory.plan") == _layer("pareprop.budget")
+    graph = {"pareprop.engine": {"pareprop.memory.budget"},
+             "pareprop.memory.budget": {"pareprop.engine"}}
+    assert _cycles(graph) == [["pareprop.engine", "pareprop.memory.budget", "pareprop.engine"]]
+    assert _layer("pareprop.memory.budget") > _layer("pareprop.engine")
+    assert _layer("pareprop.memory.plan") == _layer("pareprop.memory.budget")
     tree = ast.parse("from pareprop.memory.saved import storage_key")
-    assert _targets("pareprop.budget", tree.body[0]) == ["pareprop.memory", "pareprop.memory.saved"]
+    assert _targets("pareprop.checkpoint", tree.body[0]) == [
+        "pareprop.memory", "pareprop.memory.saved"]
     tree = ast.parse("from pareprop.models import vit")
     assert _targets("pareprop.models._registry", tree.body[0]) == ["pareprop.models.vit"]

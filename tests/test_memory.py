@@ -10,8 +10,8 @@ import torch
 import pareprop
 from pareprop import chunking
 from pareprop.catalog import ModelRequest, build_model, example_inputs
+from pareprop.engine import chunk_cost, recompute
 from pareprop.engine import chunked as engine_chunked
-from pareprop.layers import recompute
 from pareprop.memory import MemoryReport, largest_batch, memory_report, parse_memory, plan_memory
 from pareprop.memory import plan as plan_module
 from pareprop.memory.plan import MAX_BATCH
@@ -140,7 +140,7 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
         assert any(n < 1 + p for n, p in zip(traced, pairs))
     if batch == 511:  # and the second chunk sets the peak: without it the plan is lower
         monkeypatch.setattr(engine_chunked, "distinct_chunks", lambda p: (
-            [p[0], p[-1]] if chunking.tracing_distinct() and len(p) > 1 else p))
+            [p[0], p[-1]] if chunk_cost.tracing_distinct() and len(p) > 1 else p))
         assert plan_memory(name, batch, engine, **kw).peak < distinct.peak
         monkeypatch.setattr(engine_chunked, "distinct_chunks", counted)
     if ckpt:  # checkpointed blocks in chunks, some of them stand-ins
@@ -154,9 +154,9 @@ def test_a_plan_of_the_distinct_chunks_is_the_plan_of_every_chunk(name, engine, 
 
 def test_distinct_chunks_are_the_first_the_second_and_a_last_of_another_length():
     def traced(size, count):
-        with chunking.tracing_distinct_chunks():
+        with chunk_cost.tracing_distinct_chunks():
             return [(c.index, c.length)
-                    for c in chunking.distinct_chunks(chunking.chunks(size, count))]
+                    for c in chunk_cost.distinct_chunks(chunking.chunks(size, count))]
 
     assert traced(20, 7) == [(0, 3), (1, 3), (6, 2)]  # 3 3 3 3 3 3 2
     assert traced(10, 4) == [(0, 3), (1, 3), (3, 2)]  # 3 3 2 2: (3, 2) and (2, 2) peak lower
@@ -165,7 +165,7 @@ def test_distinct_chunks_are_the_first_the_second_and_a_last_of_another_length()
     assert traced(3, 3) == [(0, 1), (1, 1)]
     assert traced(5, 1) == [(0, 5)]
     pieces = chunking.chunks(20, 7)
-    assert chunking.distinct_chunks(pieces) == pieces  # not planning
+    assert chunk_cost.distinct_chunks(pieces) == pieces  # not planning
 
 
 @pytest.mark.parametrize("name", ["rev_mvitv2_tiny_32",

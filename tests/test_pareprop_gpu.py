@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 import pareprop
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane, graphs
 from pareprop.engine.lanes import _block_lanes, _side_stream
 from pareprop.testing import engine_errors, relative_error

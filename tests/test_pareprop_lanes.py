@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import engine as engine_module
-from pareprop import schedule as schedule_module
 from pareprop.engine import MAIN_LANE, SIDE_LANE, function, schedules
+from pareprop.engine import fallback as schedule_module
 from pareprop.engine import lanes as lanes_module
 from pareprop.engine.lanes import _block_lanes
 from pareprop.testing import relative_error
@@ -208,7 +208,7 @@ def test_recomputed_blocks_differentiate_parameter_aliases(monkeypatch, stored):
     assert max(relative_error(a, p.grad) for a, p in zip(got, model.parameters())) < 1e-10
 
 
-# -- the fallback to Reprop (NOTE [ PaReprop's fallback to Reprop ] in pareprop/schedule.py) --
+# -- the fallback to Reprop (NOTE [ PaReprop's fallback to Reprop ] in engine/fallback.py) --
 
 
 class FakeClock:

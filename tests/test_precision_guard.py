@@ -116,7 +116,7 @@ def test_bad_arguments():
 def test_a_sharded_stack_is_refused_with_the_way_out():
     model = pareprop.convert(_source(depth=2))
     pareprop.set_coupling(model, 0.5, 0.5)
-    model.stack.sharding = object()  # what pareprop.fsdp.shard sets
+    model.stack.sharding = object()  # what pareprop.distributed.fsdp.shard sets
     with pytest.raises(RuntimeError, match="tolerance=None"):
         model.train()(_images())
 

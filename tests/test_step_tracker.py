@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from pareprop import chunking
+from pareprop.engine import chunk_cost, recompute
 from pareprop.engine import chunked as engine_chunked
-from pareprop.layers import recompute
 from pareprop.memory import measure, plan_memory
 from pareprop.memory.step import create_optimizer_state, make_optimizer, run_step
 from test_memory import FAMILIES, _real
@@ -73,9 +72,9 @@ def test_it_counts_what_memtracker_counts_but_what_memtracker_s_hooks_keep(name,
     # Whole branches: the same peak to the byte. In chunks, where each plan measures its
     # chunks' costs (no sharing here), MemTracker's module hooks keep the measured graphs for
     # the rest of the step (NOTE [ Counting storages ]): it counts more, never less.
-    monkeypatch.setattr(chunking, "planned_cost", lambda module, key, measure: measure())
+    monkeypatch.setattr(chunk_cost, "planned_cost", lambda module, key, measure: measure())
     for module in (engine_chunked, recompute):
-        monkeypatch.setattr(module, "planned_cost", chunking.planned_cost)
+        monkeypatch.setattr(module, "planned_cost", chunk_cost.planned_cost)
     kw = dict(device="cpu", num_classes=10, grad_checkpointing=name != "rev_vit_tiny_patch4_32",
               **FAMILIES[name])
     whole = plan_memory(name, 6, "reversible", **kw).peak

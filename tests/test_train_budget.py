@@ -38,7 +38,7 @@ def test_budget_is_applied_recorded_and_reused_on_resume(tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("a resumed run must take its stored blocks from the checkpoint")
 
-    # Patched where the trainer looks it up (patching pareprop.budget's would not reach it).
+    # Patched where the trainer looks it up (patching pareprop.memory.budget's would not reach it).
     monkeypatch.setattr(trainer_setup, "set_memory_budget", no_measuring)
     resumed = Trainer(_cfg(tmp_path, resume=os.path.join(tmp_path, "last")))
     assert resumed.model.stack.stored_blocks == stored
@@ -63,7 +63,7 @@ def test_cli_flag(tmp_path, capsys):
     assert "stored 4 of 4 blocks" in capsys.readouterr().err
     model = load_model(os.path.join(tmp_path, "last"))
     assert model.stack.stored_blocks == (0, 1, 2, 3)
-    assert isinstance(pareprop.budget.stored_blocks(model), dict)
+    assert isinstance(pareprop.memory.budget.stored_blocks(model), dict)
 
 
 def test_grad_checkpointing_flag_reaches_the_model(tmp_path):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import pareprop
 from pareprop.cli.train import main, resolve_config
-from pareprop.fsdp import fsdp_available
+from pareprop.distributed.fsdp import fsdp_available
 from pareprop.trainer import TIMING_KEYS, TrainConfig, Trainer
 
 pytestmark = [  # slow: spawned process pairs (README, Development)

@@ -9,8 +9,8 @@ import pytest
 
 from pareprop.checkpoint import load_checkpoint
 from pareprop.cli.train import main
-from pareprop.rundir import RunLock
 from pareprop.trainer import TIMING_KEYS, Trainer
+from pareprop.trainer.rundir import RunLock
 
 MODEL = "rev_vit_tiny_patch4_32"
 TINY = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=32, depth=2, num_heads=2)

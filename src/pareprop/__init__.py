@@ -1,8 +1,6 @@
 """pareprop: reversible and parallel-reversible (PaReprop) backpropagation for transformers."""
 
-from pareprop.budget import MemoryPlan, set_engine, set_memory_budget
 from pareprop.checkpoint import CheckpointError, load_model
-from pareprop.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.convert import (
     CouplingSchedule,
     GuardReport,
@@ -11,7 +9,6 @@ from pareprop.convert import (
     coupling_of,
     set_coupling,
 )
-from pareprop.drift import DriftReport, drift_report
 from pareprop.engine import (
     ENGINES,
     ReversibleBlock,
@@ -21,6 +18,7 @@ from pareprop.engine import (
     schedule_reasons,
     set_chunking,
 )
+from pareprop.engine.compile import compile_blocks, compiled_blocks, uncompile_blocks
 from pareprop.memory import (
     MemoryReport,
     activation_bytes,
@@ -28,6 +26,8 @@ from pareprop.memory import (
     memory_report,
     plan_memory,
 )
+from pareprop.memory.budget import MemoryPlan, set_engine, set_memory_budget
+from pareprop.memory.drift import DriftReport, drift_report
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 from pareprop.pretrained import PretrainedError, load_pretrained
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from pareprop.budget import apply_stored_blocks, stored_blocks
+from pareprop.memory.budget import apply_stored_blocks, stored_blocks
 from pareprop.models import create_model, model_spec
 
 __all__ = [

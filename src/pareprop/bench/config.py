@@ -10,9 +10,9 @@ import torch
 
 from pareprop.bench.fields import ALL_ENGINES, AMP_MODES
 from pareprop.catalog import model_facts, model_source
-from pareprop.chunking import parse_chunking
 from pareprop.devices import device_here
 from pareprop.engine import ENGINES
+from pareprop.engine.chunk_cost import parse_chunking
 
 __all__ = ["BenchConfig", "default_config"]
 

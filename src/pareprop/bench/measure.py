@@ -23,8 +23,8 @@ from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_p
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
-from pareprop.compile import compile_blocks
 from pareprop.engine import ReversibleStack, chosen_schedule, set_chunking
+from pareprop.engine.compile import compile_blocks
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
 __all__ = ["measure", "time_interleaved"]

@@ -10,15 +10,15 @@ import os
 from typing import Any, Dict, List, Sequence, Tuple
 
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES, engine_label
+from pareprop.bench.plots import plot_results
 from pareprop.engine import ENGINES
 from pareprop.memory import largest_batch, parse_memory, plan_memory
 from pareprop.memory.plan import MAX_BATCH
-from pareprop.plots import plot_results
 
 __all__ = ["write_results", "format_table", "format_ratios", "format_summary", "ratio_summary"]
 
 
-# The figures pareprop.plots.plot_results draws (and write_results replaces).
+# The figures pareprop.bench.plots.plot_results draws (and write_results replaces).
 BENCH_PLOTS = ("memory_vs_depth_*.png", "memory_vs_batch_*.png", "time_*.png")
 
 

@@ -27,6 +27,7 @@ import torch
 
 from pareprop import bench, catalog
 from pareprop.bench import ALL_ENGINES, AMP_MODES, default_config, stop
+from pareprop.bench.plots import plot_drift
 from pareprop.cli.options import (
     Parser,
     device,
@@ -35,9 +36,8 @@ from pareprop.cli.options import (
     output_folder,
     positive_int,
 )
-from pareprop.drift import drift_report
 from pareprop.engine import ENGINES
-from pareprop.plots import plot_drift
+from pareprop.memory.drift import drift_report
 
 __all__ = ["main", "build_parser"]
 

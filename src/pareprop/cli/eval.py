@@ -31,8 +31,8 @@ from pareprop.convert import converted_model_name
 from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
-from pareprop.finetune import load_timm_pretrained
 from pareprop.models.published import PretrainedError
+from pareprop.trainer.finetune import load_timm_pretrained
 
 __all__ = ["main", "build_parser"]
 

@@ -28,6 +28,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from pareprop.bench.plots import plot_plan
 from pareprop.catalog import ALL_ENGINES, is_converted
 from pareprop.cli.bench import _split
 from pareprop.cli.options import (
@@ -39,7 +40,6 @@ from pareprop.cli.options import (
 )
 from pareprop.memory import parse_memory
 from pareprop.memory.sweep import format_plan, plan_sweep
-from pareprop.plots import plot_plan
 
 __all__ = ["main", "build_parser"]
 

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, help="classes of the model's head (with "
                    "--pretrained: a fresh head when they differ from the weights')")
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
-                   help="start from the model's published weights (pareprop.finetune)")
+                   help="start from the model's published weights (pareprop.trainer.finetune)")
     p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
                    "0.75 (timm's create_optimizer_v2; default none)")
     p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")

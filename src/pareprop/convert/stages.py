@@ -12,7 +12,7 @@ last block (docs/convert.md, "The coupling": ``z_0 = z_1 = x``, the next layer r
 transitions of Rev-MViT) is the source's own block, run by its own ``forward``, and under
 ``set_grad_checkpointing()`` checkpointed as timm checkpoints it (it keeps its input, which is
 the stack's ``Y2`` the engines keep anyway, NOTE [ Checkpointing what is not reversible ] in
-pareprop/layers/recompute.py). With the stacks' branches chunked (``set_chunking``) it is
+pareprop/engine/recompute.py). With the stacks' branches chunked (``set_chunking``) it is
 checkpointed in chunks of samples as Rev-MViT's transitions are (NOTE [ Checkpointed blocks in
 chunks ]): each of its layers acts on a sample alone, and while a chunk runs the family's
 ``sample_draws`` make its random layers draw the chunk's slice of the whole batch's draw.
@@ -34,7 +34,7 @@ import torch.nn as nn
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock
 from pareprop.engine import ReversibleStack
-from pareprop.layers.recompute import maybe_checkpoint
+from pareprop.engine.recompute import maybe_checkpoint
 
 __all__ = ["CoupledRuns", "KeptBlock", "pools_nothing"]
 
@@ -126,7 +126,7 @@ class CoupledRuns(nn.Module):
 
 
 class KeptBlock:
-    """A block kept from the source as :func:`~pareprop.layers.recompute.maybe_checkpoint`
+    """A block kept from the source as :func:`~pareprop.engine.recompute.maybe_checkpoint`
     takes it: one tensor in and out (the map's size is set before the call, the output's
     recorded), and the ``split`` and ``forward_chunk`` of NOTE [ Checkpointed blocks in chunks ]
     (every layer of an MViT block acts on each sample alone)."""

@@ -54,7 +54,7 @@ from pareprop.convert.source import (
 )
 from pareprop.convert.weights import load_source_weights
 from pareprop.engine import ReversibleStack
-from pareprop.layers.recompute import maybe_checkpoint
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [
@@ -176,7 +176,7 @@ _FAMILIES: Dict[type, Tuple[type, type, Type[_SwinBlockBase]]] = {
 
 class MergingInChunks(nn.Module):
     """A source's patch merging as a block :func:`maybe_checkpoint` checkpoints in chunks of
-    samples (NOTE [ Checkpointed blocks in chunks ] in pareprop/layers/recompute.py): merging
+    samples (NOTE [ Checkpointed blocks in chunks ] in pareprop/engine/recompute.py): merging
     pads, regroups 2x2 neighbours, normalises and projects each sample alone and draws
     nothing, so a chunk of samples merged is that chunk of the merged batch. Recomputed whole,
     the merging of the whole batch (a float32 norm input of 4C channels) set the planned peak

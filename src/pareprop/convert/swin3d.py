@@ -44,7 +44,7 @@ from pareprop.convert.torchvision_swin_base import (
     load_torchvision_pretrained,
 )
 from pareprop.convert.weights import load_source_weights
-from pareprop.layers.recompute import maybe_checkpoint
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [

@@ -40,7 +40,7 @@ from pareprop.convert.source import (
 )
 from pareprop.convert.torchvision_swin_base import TorchvisionSwinFeatures, check_features
 from pareprop.convert.weights import load_source_weights
-from pareprop.layers.recompute import maybe_checkpoint
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
 __all__ = [

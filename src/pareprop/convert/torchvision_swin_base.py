@@ -39,7 +39,7 @@ from pareprop.convert.source import UnsupportedModelError, refuse_hooks
 from pareprop.convert.swin import MergingInChunks, unregistered
 from pareprop.convert.weights import load_state
 from pareprop.engine import ReversibleStack
-from pareprop.layers.recompute import maybe_checkpoint
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import check_output_fmt, make_head
 from pareprop.models.published import PretrainedError
 

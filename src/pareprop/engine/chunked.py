@@ -12,17 +12,15 @@ from typing import Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from pareprop.chunking import (
-    Chunk,
-    Split,
-    chunks,
+from pareprop.chunking import Chunk, Split, chunks
+from pareprop.engine.block import _skip, skip_scale
+from pareprop.engine.chunk_cost import (
     distinct_chunks,
     graph_bytes,
     linear_cost,
     plain,
     planned_cost,
 )
-from pareprop.engine.block import _skip, skip_scale
 from pareprop.engine.forward import _call_checked
 from pareprop.engine.plan import _BlockRecord, _Plan, _plan_beta
 from pareprop.engine.rebuild import (
@@ -149,7 +147,7 @@ def _chunk_cost(
 ) -> Tuple[float, float]:
     """(fixed, per unit) bytes saved by the graph of one chunk of a branch, measured once per
     block, branch, input shape and autocast state on chunks of one and two units (NOTE
-    [ Measuring a chunk's graph ] in pareprop/chunking.py)."""
+    [ Measuring a chunk's graph ] in chunk_cost.py)."""
     key = (index, name, tuple(x.shape), x.dtype, plan.autocast)
     if key in plan.chunk_costs:
         return plan.chunk_costs[key]
@@ -206,7 +204,7 @@ def _run_chunks(
     owned = plan.block_params[index]
     params = [p for _, p in owned]
     # All chunks, or while planning those that can set a new peak (NOTE [ Planning a chunked
-    # branch from its distinct chunks ] in chunking.py).
+    # branch from its distinct chunks ] in chunk_cost.py).
     pieces = [None] if split is None or count == 1 else distinct_chunks(chunks(split.size, count))
     accumulate = grad_out is not None and len(pieces) > 1
     with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:

@@ -223,8 +223,9 @@ def _refusals(stack: nn.Module) -> List[str]:
                      "host for each input; chunking is for large batches, CUDA graphs for small "
                      "ones. " + _off_hint("Turn chunking off with pareprop.set_chunking(model)"))
     if stack.sharding is not None:
-        found.append("an FSDP2-sharded stack (pareprop.fsdp.shard): its gathers and gradient "
-                     "reductions are collectives around each block. " + _off_hint("Use DDP"))
+        found.append("an FSDP2-sharded stack (pareprop.distributed.shard): its gathers and "
+                     "gradient reductions are collectives around each block. "
+                     + _off_hint("Use DDP"))
     if stack.checkpoint_blocks:
         found.append("checkpointed blocks (set_block_checkpointing): torch.utils.checkpoint "
                      "saves the CUDA generator's state with torch.cuda.get_rng_state, which a "

@@ -14,8 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.chunking import Chunking
 from pareprop.engine.block import ReversibleBlock
+from pareprop.engine.chunk_cost import Chunking
+from pareprop.engine.fallback import ScheduleChoice
 from pareprop.engine.replay import (
     _AutocastState,
     _BackendState,
@@ -23,7 +24,6 @@ from pareprop.engine.replay import (
     _ModeState,
     _RngState,
 )
-from pareprop.schedule import ScheduleChoice
 
 Tensor = torch.Tensor
 
@@ -66,12 +66,12 @@ class _Plan:
     records: List[_BlockRecord] = field(default_factory=list)
     # Per block: the graphs a stored block built in forward, until backward consumes them.
     graphs: List[Optional["_Rebuilt"]] = field(default_factory=list)
-    # Called around each stored block's forward (pareprop.budget measures blocks with it).
+    # Called around each stored block's forward (pareprop.memory.budget measures blocks with it).
     probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
     reconstruction_errors: List[Tuple[float, float]] = field(default_factory=list)
     # FSDP2: gathers each block around its forward and recomputation and hands its parameter
     # gradients to FSDP; None when the stack is not sharded (NOTE [ FSDP2 and reversible blocks ]
-    # in pareprop/fsdp.py). A sharded stack's block_params are filled in forward, per block.
+    # in distributed/fsdp.py). A sharded stack's block_params are filled in forward, per block.
     sharding: Optional[Any] = None
     # Chunked backward of the recomputed blocks (NOTE [ Chunked backward ] in chunked.py); None:
     # whole branches.
@@ -82,7 +82,7 @@ class _Plan:
     # them, and their versions at forward.
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
-    # Under "pareprop": the stack's choice between PaReprop and Reprop (pareprop/schedule.py).
+    # Under "pareprop": the stack's choice between PaReprop and Reprop (engine/fallback.py).
     schedule: Optional[ScheduleChoice] = None
     # In a step captured as CUDA graphs: the branches' random streams (_CudaBranchRng, or its
     # CPU stand-in), which forward and recomputation draw from; None outside one.

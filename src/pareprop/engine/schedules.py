@@ -3,7 +3,7 @@
 * Reprop's (``reversible``, and every chunked stack): block after block, from the last.
 * PaReprop's (``pareprop``): recover(l-1) beside grads(l), on two lanes
   (:mod:`pareprop.engine.lanes`). Under ``pareprop`` a stack may keep Reprop's where it
-  measures faster (NOTE [ PaReprop's fallback to Reprop ] in pareprop/schedule.py).
+  measures faster (NOTE [ PaReprop's fallback to Reprop ] in pareprop/engine/fallback.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 # neighbours alternate strictly, the wait for grads(k+2) is on recover(k)'s own lane and costs
 # nothing; where they do not (stored blocks), it is what keeps a lane from refilling memory the
 # other lane still reads. The same holds for the FSDP prefetch (NOTE [ FSDP prefetch on the
-# waiting lane ] in pareprop/fsdp.py).
+# waiting lane ] in pareprop/distributed/fsdp.py).
 # record_stream stays where no such order exists: the tensors that arrive from the main stream
 # (the saved outputs and dY) when the top block runs on the side stream, and those handed back
 # to it (dX and parameter gradients), whose last reader is autograd's own later work. That is
@@ -96,7 +96,7 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 def _backward_pareprop(plan, streams, dy1, dy2, param_grads):
     lanes = _Lanes(plan.device, plan.stored)
     prefetch = None
-    if plan.sharding is not None:  # NOTE [ FSDP prefetch on the waiting lane ] (pareprop/fsdp.py)
+    if plan.sharding is not None:  # NOTE [ FSDP prefetch on the waiting lane ] (distributed/)
         prefetch, plan.sharding.prefetch_on = plan.sharding.prefetch_on, lanes.prefetch_on
     try:
         dy1, dy2 = _pareprop_schedule(plan, lanes, streams, dy1, dy2, param_grads)

@@ -12,14 +12,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import Chunking, parse_chunking
 from pareprop.engine.block import ReversibleBlock, skip_scale
+from pareprop.engine.chunk_cost import Chunking, parse_chunking
+from pareprop.engine.fallback import ScheduleChoice
 from pareprop.engine.forward import _couple
 from pareprop.engine.function import _ReversibleFunction
 from pareprop.engine.graphs import _StackGraphs, check_capturable
 from pareprop.engine.plan import _block_params, _ParamLocation, _Plan
 from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendState, _KeywordVersions
-from pareprop.schedule import ScheduleChoice
 
 ENGINES = ("autograd", "reversible", "pareprop")
 
@@ -98,8 +98,8 @@ class ReversibleStack(nn.Module):
         # Called around each stored block's forward (block index, its X1) -> a context; set
         # only while pareprop.memory.budget measures blocks.
         self.probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
-        # Set by pareprop.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
-        # reversible blocks ] in pareprop/fsdp.py); None: the stack is not sharded.
+        # Set by pareprop.distributed.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
+        # reversible blocks ] in pareprop/distributed/fsdp.py); None: the stack is not sharded.
         self.sharding: Optional[Any] = None
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
@@ -383,7 +383,7 @@ def set_engine(
     above the engine, by :func:`pareprop.set_engine` (:mod:`pareprop.memory.budget`).
     ``fallback`` (engine ``"pareprop"``): False always runs PaReprop, True lets each stack keep
     Reprop where it measures faster (the default; NOTE [ PaReprop's fallback to Reprop ] in
-    pareprop/schedule.py); None keeps each stack's setting.
+    pareprop/engine/fallback.py); None keeps each stack's setting.
     ``cuda_graphs``: True captures each stack's training step as CUDA graphs and replays it
     (for host-bound small batches; NOTE [ CUDA graphs of a stack ] in engine/graphs.py), False
     runs eagerly, None keeps each stack's setting. Every stack is checked before any changes.
@@ -421,7 +421,7 @@ def chosen_schedule(module: nn.Module) -> Optional[str]:
         ``"pareprop"`` or ``"reversible"`` when every such stack has settled on it (on the CPU,
         and with ``fallback=False``, ``"pareprop"`` at once); ``"measuring"`` while any of them
         still times both schedules on a GPU (NOTE [ PaReprop's fallback to Reprop ] in
-        pareprop/schedule.py); ``"mixed"`` when they settled differently; None when no stack
+        pareprop/engine/fallback.py); ``"mixed"`` when they settled differently; None when no stack
         uses engine ``"pareprop"``.
     """
     states = {state for state, _ in schedule_reasons(module).values()}

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pareprop.chunking import measuring
 from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
+from pareprop.engine.chunk_cost import measuring
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
     amp_dtype,
@@ -87,7 +87,7 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
 #     runs, as ``MemTracker`` does. What is made while a chunk's cost is measured (a step
 #     of training after the first does not measure) is left out, and counted from the
 #     measurement's end if it outlives it (NOTE [ Chunk costs while planning ] in
-#     pareprop/chunking.py).
+#     engine/chunk_cost.py).
 class StepPeakTracker(TorchDispatchMode):
     """The current and peak bytes of every storage alive during a step (NOTE [ Counting
     storages ]). ``track_external`` what exists before the step, then run it inside
@@ -127,7 +127,7 @@ class StepPeakTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage unless it is counted; follow a change of its size. While a
         chunk's cost is measured, a new storage is set aside, and counted only if it outlives
-        the measurement (NOTE [ Chunk costs while planning ] in pareprop/chunking.py)."""
+        the measurement (NOTE [ Chunk costs while planning ] in engine/chunk_cost.py)."""
         st = t.untyped_storage()
         key = id(st)
         entry = self._sizes.get(key)
@@ -214,7 +214,7 @@ class StepPeakTracker(TorchDispatchMode):
 #     2026-12-04; at the commit that turned the collector off that no longer reproduced (the
 #     same plans alone, after others, with the collector on and off, agreed to the byte,
 #     under MemTracker and this tracker alike), the cycles having gone with earlier fixes
-#     (NOTE [ Measuring a chunk's graph ] in chunking.py). So that none can come back
+#     (NOTE [ Measuring a chunk's graph ] in chunk_cost.py). So that none can come back
 #     unseen, the counted step runs with the collector off: a storage is freed when its last
 #     reference goes, and a plan is a function of its inputs. The steps planned here leave no
 #     storage to the collector (tests/test_memory.py lets it run every few allocations and

@@ -38,8 +38,8 @@ from pareprop.catalog import (
     model_facts,
     model_source,
 )
-from pareprop.chunking import tracing_distinct_chunks
 from pareprop.engine import set_chunking
+from pareprop.engine.chunk_cost import tracing_distinct_chunks
 from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
@@ -354,7 +354,7 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 # NOTE [ The largest batch with chunk_bytes="auto" ]
 #     "auto" plans five chunkings of a batch (NOTE [ Choosing the chunk size ]), and a plan's
 #     time is its number of chunk graphs traced: before a plan traced only the distinct chunks
-#     (NOTE [ Planning a chunked branch from its distinct chunks ] in chunking.py), the 1/32
+#     (NOTE [ Planning a chunked branch from its distinct chunks ] in chunk_cost.py), the 1/32
 #     fraction alone took about six minutes at ViT-B's 80 GiB batches here, and a search that
 #     chose afresh at every batch it tried was estimated at 40 minutes (BENCHMARKS.md,
 #     2026-12-04). Two facts make most of those plans unnecessary:

@@ -29,8 +29,10 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from pareprop.chunking import Chunk, Chunking, Split
+from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine.chunk_cost import Chunking
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import (
     Mlp,
     PatchEmbed,
@@ -40,7 +42,6 @@ from pareprop.layers import (
     to_2tuple_int,
 )
 from pareprop.layers.drop import DropPath, drop_path
-from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,
@@ -302,7 +303,7 @@ class MViTTransitionBlock(nn.Module):
         return self.forward_chunk(x, None)
 
     # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/layers/recompute.py): LayerNorm, pooling attention, the pooled shortcut and the
+    # pareprop/engine/recompute.py): LayerNorm, pooling attention, the pooled shortcut and the
     # MLP all stay inside a sample.
     def split(self, x: torch.Tensor) -> Split:
         return Split.samples(x.shape[0])

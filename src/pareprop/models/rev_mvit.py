@@ -41,10 +41,10 @@ from timm.layers import trunc_normal_
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import Mlp, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
-from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     ReversibleImageModelMixin,
     drop_path_rates,
@@ -241,7 +241,7 @@ class RevMViTv1Transition(nn.Module):
         return self.forward_chunk(x, None)
 
     # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/layers/recompute.py): the fusion MLP, the pooled shortcut, pooling attention
+    # pareprop/engine/recompute.py): the fusion MLP, the pooled shortcut, pooling attention
     # and the MLP all stay inside a sample.
     def split(self, x: torch.Tensor) -> Split:
         return Split.samples(x.shape[0])

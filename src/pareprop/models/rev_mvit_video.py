@@ -45,10 +45,10 @@ from timm.layers import Mlp, trunc_normal_
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleStack
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import PatchEmbed, make_config
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
-from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     ReversibleModelMixin,
     drop_path_rates,
@@ -231,7 +231,7 @@ class RevMViTVideoTransition(nn.Module):
         return self.forward_chunk(x, None)
 
     # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/layers/recompute.py): the stream average, the pooled shortcut, pooling
+    # pareprop/engine/recompute.py): the stream average, the pooled shortcut, pooling
     # attention and the MLP all stay inside a clip.
     def split(self, x: torch.Tensor) -> Split:
         return Split.samples(x.shape[0])

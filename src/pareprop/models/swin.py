@@ -27,9 +27,9 @@ from timm.layers import to_2tuple
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import Mlp, check_image, make_config
 from pareprop.layers.drop import DropPath, drop_path
-from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.layers.window_attention import (
     WindowAttention,
     padded_size,
@@ -156,7 +156,7 @@ class PatchMerging(nn.Module):
         return self.reduction(self.norm(x))
 
     # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/layers/recompute.py); nothing random.
+    # pareprop/engine/recompute.py); nothing random.
     def split(self, x: torch.Tensor) -> Split:
         return Split.samples(x.shape[0])
 
@@ -176,7 +176,7 @@ class StreamFusion(nn.Module):
         return self.mlp(self.norm(x))
 
     # Checkpointed in chunks of rows of the (B, H, W, 2C) map (NOTE [ Checkpointed blocks in
-    # chunks ] in pareprop/layers/recompute.py): LayerNorm and MLP act on each token alone.
+    # chunks ] in pareprop/engine/recompute.py): LayerNorm and MLP act on each token alone.
     def split(self, x: torch.Tensor) -> Split:
         return Split.tokens(x.shape[1])
 

@@ -21,10 +21,10 @@ from timm.models._features import feature_take_indices
 
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.layers import Attention, PatchEmbed, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.mlp import Mlp
-from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models._base import (
     CIFAR_MEAN,
     CIFAR_STD,

@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from pareprop.budget import parse_budget
-from pareprop.chunking import parse_chunking
 from pareprop.devices import check_device_name
-from pareprop.finetune import apply_convert_options
+from pareprop.engine.chunk_cost import parse_chunking
+from pareprop.memory.budget import parse_budget
+from pareprop.trainer.finetune import apply_convert_options
 
 AMP_MODES = ("none", "bf16", "fp16")
 # Seeds from 0 to 2**32 - 1: numpy's range, and each epoch's seed (seed + 7919 * epoch + rank)
@@ -87,11 +87,11 @@ class TrainConfig:
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2
     # (pareprop.distributed.shard) instead of replicating them with DDP.
     fsdp: bool = False
-    # Fine-tuning (pareprop.finetune). From published weights: pretrained (the model's published
-    # file) or pretrained_file (a local one), with a fresh head when the class counts differ.
-    # From a timm ViT converted to a reversible coupling: convert_from, from timm's pretrained
-    # weights (its download) or pretrained_file (a local copy of them). layer_decay scales
-    # block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
+    # Fine-tuning (pareprop.trainer.finetune). From published weights: pretrained (the model's
+    # published file) or pretrained_file (a local one), with a fresh head when the class counts
+    # differ. From a timm ViT converted to a reversible coupling: convert_from, from timm's
+    # pretrained weights (its download) or pretrained_file (a local copy of them). layer_decay
+    # scales block i's learning rate by layer_decay ** (L - i) (timm's optimizer factory).
     pretrained: bool = False
     layer_decay: Optional[float] = None
     convert_from: Optional[str] = None

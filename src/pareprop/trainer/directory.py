@@ -3,7 +3,7 @@
 A new run refuses an ``--out`` that holds anything (``--overwrite`` clears it); a resumed run
 continues in its checkpoint's run directory, or in a new ``--out``, with the options it was
 saved with (NOTE [ Resumed configuration ] and NOTE [ Run directories ] in
-pareprop/rundir.py). Process 0 decides and writes; every process fails when it refuses.
+pareprop/trainer/rundir.py). Process 0 decides and writes; every process fails when it refuses.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
-from pareprop import rundir
 from pareprop.checkpoint import atomic_write
+from pareprop.trainer import rundir
 from pareprop.trainer.config import TrainConfig
 
 
@@ -33,7 +33,7 @@ class RunDirectory:
         self, cfg: TrainConfig, given: Optional[Iterable[str]]
     ) -> Tuple[TrainConfig, Optional[ckpt_lib.Checkpoint]]:
         """The run's configuration, and its checkpoint when resuming (NOTE [ Resumed
-        configuration ] in pareprop/rundir.py); refuses an output directory a new run may not
+        configuration ] in trainer/rundir.py); refuses an output directory a new run may not
         write into (NOTE [ Run directories ])."""
         given = _given_fields(cfg) if given is None else set(given)
         # Where the resumed checkpoint's run lives, and whether this run continues there.

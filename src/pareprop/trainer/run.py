@@ -10,7 +10,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional
 
 from pareprop import distributed as dist_lib
-from pareprop import rundir
+from pareprop.trainer import rundir
 from pareprop.trainer.config import TrainConfig
 from pareprop.trainer.directory import RunDirectory
 from pareprop.trainer.loop import NonFiniteLossError, TrainLoop

@@ -25,8 +25,6 @@ from torch.utils.data import DataLoader, Subset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
-from pareprop.budget import parse_budget, set_memory_budget
-from pareprop.compile import compile_blocks
 from pareprop.data import (
     build_datasets,
     epoch_sampler,
@@ -34,15 +32,17 @@ from pareprop.data import (
     model_data_config,
     video_data_config,
 )
+from pareprop.distributed.fsdp import fsdp_available
 from pareprop.engine import ENGINES, set_chunking
-from pareprop.finetune import (
+from pareprop.engine.compile import compile_blocks
+from pareprop.memory.budget import parse_budget, set_memory_budget
+from pareprop.models import create_model
+from pareprop.trainer.finetune import (
     create_finetune_optimizer,
     load_initial_weights,
     load_timm_pretrained,
     make_coupling_schedule,
 )
-from pareprop.fsdp import fsdp_available
-from pareprop.models import create_model
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:

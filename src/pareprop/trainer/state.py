@@ -8,7 +8,7 @@ NOTE [ Exact resume ]
     numpy, torch CPU and CUDA, per process) are saved after the epoch's evaluation, which is
     exactly where the next epoch starts drawing random crops, dropout and drop-path masks. The
     run's options are saved too and restored on resume, its directory included (NOTE
-    [ Resumed configuration ] and NOTE [ Run directories ] in pareprop/rundir.py).
+    [ Resumed configuration ] and NOTE [ Run directories ] in pareprop/trainer/rundir.py).
 
 NOTE [ Sharded checkpoints ]
     With ``--fsdp`` each process holds a shard of every parameter and of its optimizer state.

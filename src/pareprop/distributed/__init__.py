@@ -29,7 +29,7 @@ NOTE [ Reversible engines under DDP ]
       see gradients it was never told to expect and fail with "Expected to have finished
       reduction"). :func:`wrap_ddp` and :func:`check_wrapping` refuse such models with a message.
       The exception is :func:`shard` (FSDP2 per block): it tells each stack's engine to gather
-      its blocks itself; see NOTE [ FSDP2 and reversible blocks ] in pareprop/fsdp.py. A
+      its blocks itself; see NOTE [ FSDP2 and reversible blocks ] in pareprop/distributed/fsdp.py. A
       ``fully_shard`` applied to a block by hand is still refused: the engine would not know.
 """
 
@@ -44,11 +44,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
+# FSDP2 with each reversible block as a unit lives in pareprop.distributed.fsdp (it needs only
+# the engine); it is offered here too, beside DDP's wrap_ddp.
+from pareprop.distributed.fsdp import is_wrapper, shard  # noqa: F401
 from pareprop.engine import ReversibleStack
-
-# FSDP2 with each reversible block as a unit lives in pareprop.fsdp, below this module (it needs
-# only the engine); it is offered here too, beside DDP's wrap_ddp.
-from pareprop.fsdp import is_wrapper, shard  # noqa: F401
 
 __all__ = [
     "DistInfo",
@@ -181,8 +180,8 @@ def check_wrapping(model: nn.Module) -> None:
     for name, stack in model.named_modules():
         if not isinstance(stack, ReversibleStack):
             continue
-        # Blocks sharded by pareprop.fsdp.shard are gathered by the engine itself (NOTE
-        # [ FSDP2 and reversible blocks ] in pareprop/fsdp.py); any other wrapper is bypassed.
+        # Blocks sharded by pareprop.distributed.fsdp.shard are gathered by the engine itself (NOTE
+        # [ FSDP2 and reversible blocks ] in distributed/fsdp.py); any other wrapper is bypassed.
         sharded = {id(b) for b in stack.blocks} if stack.sharding is not None else set()
         for sub_name, sub in stack.named_modules():
             if sub is stack or id(sub) in sharded or not is_wrapper(sub):

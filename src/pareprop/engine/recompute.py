@@ -42,11 +42,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pareprop.chunking import (
-    Chunk,
+from pareprop.chunking import Chunk, Split, chunks
+from pareprop.engine.chunk_cost import (
     Chunking,
-    Split,
-    chunks,
     graph_bytes,
     linear_cost,
     plain,
@@ -164,7 +162,7 @@ def _checkpoint_chunks(module: nn.Module, parts: Sequence[torch.Tensor],
 
 # NOTE [ Planning checkpointed chunks ]
 # A plan traces a chunked branch of the engine from its distinct chunks (NOTE [ Planning a
-# chunked branch from its distinct chunks ] in chunking.py); a checkpointed block in chunks
+# chunked branch from its distinct chunks ] in chunk_cost.py); a checkpointed block in chunks
 # differs: forward keeps each chunk's output until they are joined, so chunk k runs beside the
 # outputs of chunks 0..k-1, and backward (last chunk first) keeps each chunk's input gradient
 # until the split's backward joins them, so chunk k runs beside those of chunks k+1..n-1 (and
@@ -212,7 +210,7 @@ def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
                 join: Callable[..., torch.Tensor], split: Split) -> Tuple[float, float]:
     """(fixed, per unit) bytes saved by the graph of one chunk, measured on chunks of one and
     two units, as the engine measures a branch's chunks (NOTE [ Measuring a chunk's graph ] in
-    pareprop/chunking.py)."""
+    engine/chunk_cost.py)."""
     x = parts[0]
     key = (tuple(tuple(p.shape) for p in parts), x.dtype, _autocast_key(x.device.type))
     costs = _COSTS.setdefault(module, {})
@@ -238,7 +236,7 @@ def _chunk_cost(module: nn.Module, parts: Sequence[torch.Tensor],
         return linear_cost(measured, type(module).__name__)
 
     # While planning, modules alike share one measurement (NOTE [ Chunk costs while planning ]
-    # in pareprop/chunking.py).
+    # in chunk_cost.py).
     costs[key] = planned_cost(module, (
         "checkpointed", key, plain(list(parts)), plain(join), split), measure)
     return costs[key]

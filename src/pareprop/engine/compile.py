@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleBlock
+from pareprop.engine.block import ReversibleBlock
 
 __all__ = ["compile_blocks", "uncompile_blocks", "compiled_blocks"]
 
