@@ -47,7 +47,7 @@ import sys  # noqa: E402
 from typing import Any, List, Optional, Sequence  # noqa: E402
 
 from pareprop.bench import stop as bench_stop  # noqa: E402
-from pareprop.chunking import parse_chunking  # noqa: E402
+from pareprop.engine.chunk_cost import parse_chunking  # noqa: E402
 
 BASELINE_ENGINES = ("plain", "checkpointed")
 REVERSIBLE_MODEL_ENGINES = ("autograd", "reversible", "pareprop")
