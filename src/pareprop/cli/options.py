@@ -100,9 +100,18 @@ def existing_path(text: str) -> str:
 def output_folder(text: str) -> str:
     """A type: a folder to write results into, existing or not; refused when a file is in the
     way (os.makedirs would fail after the work is done)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder to write the results into, got ''")
     probe = os.path.abspath(text)
-    while not os.path.exists(probe):  # the nearest part of the path that exists
+    # The nearest part of the path that exists, up to the root at most (a root that is not
+    # there, a missing drive, is its own parent).
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
+    if not os.path.exists(probe):
+        raise argparse.ArgumentTypeError(
+            f"expected a folder to write the results into, got {text!r}, whose root {probe!r} "
+            "does not exist; give another path"
+        )
     if not os.path.isdir(probe):
         where = "is a file" if probe == os.path.abspath(text) else f"is under the file {probe!r}"
         raise argparse.ArgumentTypeError(

@@ -87,12 +87,19 @@ def _same_dir(a: str, b: str) -> bool:
 def check_new_run_dir(out: str, overwrite: bool) -> None:
     """Refuse ``out`` for a new run when it holds anything (unless ``overwrite``) or cannot be
     a directory."""
+    if not out:
+        raise RunDirError("expected --out a directory for the run, got ''")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise RunDirError(f"--out {out!r} is an existing file; expected a directory for the run")
     if not os.path.isdir(out):
         parent = os.path.dirname(os.path.abspath(out))
-        while not os.path.isdir(parent):
+        # Up to the root at most: a root that is not there (a missing drive) is its own parent.
+        while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
             parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise RunDirError(
+                f"cannot create the run directory {out!r}: its root {parent!r} does not exist"
+            )
         if not os.access(parent, os.W_OK | os.X_OK):
             raise RunDirError(
                 f"cannot create the run directory {out!r}: {parent!r} is not writable"
