@@ -40,6 +40,8 @@ LAYERS: List[Tuple[str, ...]] = [
     # video: decoding, clips and multi-view evaluation of video data sets.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
      "pareprop.pretrained", "pareprop.video"),
+    # Detectors: torchvision's, on the models' trunks through feature pyramids.
+    ("pareprop.detection",),
     ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
