@@ -193,7 +193,7 @@ class ViT(nn.Module):
                 torch.zeros(1, n + 1 if pretrain_use_cls_token else n, embed_dim))
         else:
             self.pos_embed = None
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         self.blocks = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, dpr[i], norm_eps, use_rel_pos,
                   window_size if i in window_block_indexes else 0,
@@ -379,7 +379,7 @@ class MViT(nn.Module):
                 torch.zeros(1, n + 1 if pretrain_use_cls_token else n, embed_dim))
         else:
             self.pos_embed = None
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         dim_out = embed_dim
         stride_kv = adaptive_kv_stride
         window_size = adaptive_window_size

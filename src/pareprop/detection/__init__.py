@@ -18,6 +18,8 @@ from pareprop.detection.names import (
 )
 from pareprop.detection.pyramid import FPN, LEVELS, SimpleFeaturePyramid
 
+from pareprop.detection.detectron2 import from_detectron2  # noqa: E402,F401  registers detectron2:NAME  isort: skip
+
 __all__ = [
     "DETECTOR_ARCHS",
     "HEADS",

@@ -14,7 +14,8 @@ blocks a small beta cannot rebuild, as for every converted model.
 * ``layers``: windows, relative and absolute positions, the patch embedding, channel norms;
 * ``vitdet``: ViTDet's ViT; ``mvit``: detectron2's MViT; ``pyramid``: the simple feature
   pyramid and the FPN;
-* ``configs``: the named configurations; ``weights``: the files' names onto the modules.
+* ``configs``: the named configurations; ``weights``: the files' names onto the modules;
+* ``registry``: ``detectron2:NAME`` backbones for :func:`pareprop.detection.create_detector`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from pareprop.detection.detectron2.safe_pickle import UnsafePickleError, read_pi
 from pareprop.detection.detectron2.vitdet import ViT, vit_cfg
 from pareprop.detection.detectron2.weights import Detectron2Weights, load_backbone_weights
 from pareprop.engine import ENGINES
+
+# Imported for its side effect: ``create_detector(..., backbone="detectron2:NAME")``.
+from pareprop.detection.detectron2 import registry  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "CONFIGS", "Detectron2Config", "Detectron2Weights", "FPN", "MViT", "SimpleFeaturePyramid",

@@ -240,7 +240,7 @@ class CoupledMultiScaleBlock(CoupledBlock):
 def _build_blocks(cfg: MViTCfg, **kw) -> Tuple[List[MultiScaleBlock], List[int], List[int]]:
     """detectron2's blocks for ``cfg``, with each output stage's width and stride."""
     last = cfg.last_block_indexes
-    dpr = [x.item() for x in torch.linspace(0, cfg.drop_path_rate, cfg.depth)]
+    dpr = [x.item() for x in torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu")]
     embed_dim = dim_out = cfg.embed_dim
     num_heads = cfg.num_heads
     stride_kv, window = cfg.adaptive_kv_stride, cfg.adaptive_window_size

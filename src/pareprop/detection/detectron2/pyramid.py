@@ -45,6 +45,12 @@ class LastLevelMaxPool(nn.Module):
 class _BackboneMixin:
     """What the two pyramids share: the engine and coupling of the backbone's stacks."""
 
+    @property
+    def body(self):
+        """The module whose stacks, guard and ``pretrained_cfg`` a detector reads: this one
+        (a property, so that it is no submodule of itself)."""
+        return self
+
     def stacks(self):
         from pareprop.engine import ReversibleStack
         return [m for m in self.modules() if isinstance(m, ReversibleStack)]

@@ -178,7 +178,7 @@ class ViT(nn.Module):
             n = grid * grid + (1 if cfg.pretrain_use_cls_token else 0)
             self.pos_embed = nn.Parameter(torch.zeros(1, n, cfg.embed_dim, **kw))
         # detectron2's stochastic depth rule, float32 steps as torch.linspace makes them.
-        dpr = [x.item() for x in torch.linspace(0, cfg.drop_path_rate, cfg.depth)]
+        dpr = [x.item() for x in torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu")]
         size = (cfg.img_size // p, cfg.img_size // p)
         self.stack = ReversibleStack([
             ViTBlock(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, cfg.qkv_bias, dpr[i],
