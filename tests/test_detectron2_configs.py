@@ -73,7 +73,8 @@ def test_create_detector_from_a_zoo_file_through_the_schedule(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pareprop"):
         detector = create_detector("maskrcnn", "detectron2:vitdet_b", num_classes=3,
                                    pretrained_file=os.fspath(path), backbone_args=TINY,
-                                   heads="vitdet")
+                                   rpn_pre_nms_top_n_train=50, rpn_post_nms_top_n_train=20,
+                                   rpn_batch_size_per_image=32, box_batch_size_per_image=8)
     assert any("2 head tensors" in r.getMessage() and "left out" in r.getMessage()
                for r in caplog.records)
     own = detector.backbone.state_dict()
