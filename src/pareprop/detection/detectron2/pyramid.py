@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
+from pareprop.engine import ReversibleStack, set_engine
 
 __all__ = ["FPN", "LastLevelMaxPool", "SimpleFeaturePyramid"]
 
@@ -52,11 +53,9 @@ class _BackboneMixin:
         return self
 
     def stacks(self):
-        from pareprop.engine import ReversibleStack
         return [m for m in self.modules() if isinstance(m, ReversibleStack)]
 
     def set_engine(self, name: str):
-        from pareprop.engine import set_engine
         set_engine(self, name)
         return self
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch.nn as nn
 
+from pareprop.detection.detectron2.build import from_detectron2
 from pareprop.detection.detectron2.configs import get_config
 from pareprop.detection.names import register_backbone
 from pareprop.models.published import PretrainedError
@@ -46,8 +47,6 @@ def build_detectron2_backbone_by_name(
             arguments.
         fpn_channels: the pyramid's width.
     """
-    from pareprop.detection.detectron2 import from_detectron2
-
     cfg = get_config(name)
     if pretrained_backbone:
         raise PretrainedError(

@@ -25,7 +25,7 @@ from typing import Any, Dict, Tuple, Union
 import numpy as np
 import torch
 
-from pareprop.models.published import PretrainedError
+from pareprop.models.published import PretrainedError, read_state
 
 __all__ = ["ALLOWED_GLOBALS", "UnsafePickleError", "read_pickle", "read_zoo_file"]
 
@@ -118,7 +118,7 @@ def _as_tensor(value: Any, key: str, path: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
+        return torch.from_numpy(value if value.flags.c_contiguous and value.flags.writeable else value.copy(order="C"))
     if isinstance(value, (np.generic, int, float)):
         return torch.as_tensor(np.asarray(value))
     raise PretrainedError(f"{path!r}: entry {key!r} is a {type(value).__name__}, not an array")
@@ -151,6 +151,4 @@ def read_zoo_file(path: PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, An
         weights = {k: _as_tensor(v, k, path) for k, v in state.items()
                    if not k.endswith("_momentum")}
         return weights, info
-    from pareprop.models.published import read_state  # torch.load(weights_only=True)
-
-    return read_state(path), {}
+    return read_state(path), {}  # torch.load(weights_only=True)

@@ -91,7 +91,7 @@ def read_weights(file_or_state_dict: Union[str, "os.PathLike[str]", Mapping[str,
     weights = {}
     for k, v in state.items():
         if isinstance(v, np.ndarray):
-            v = torch.from_numpy(np.ascontiguousarray(v))
+            v = torch.from_numpy(v if v.flags.c_contiguous and v.flags.writeable else v.copy(order="C"))
         if not isinstance(v, torch.Tensor):
             raise PretrainedError(f"the state dict's entry {k!r} is a {type(v).__name__}, "
                                   "not a tensor or an array")
