@@ -27,7 +27,8 @@ import torch
 
 from pareprop.models.published import PretrainedError, read_state
 
-__all__ = ["ALLOWED_GLOBALS", "UnsafePickleError", "read_pickle", "read_zoo_file"]
+__all__ = ["ALLOWED_GLOBALS", "UnsafePickleError", "array_to_tensor", "read_pickle",
+           "read_zoo_file"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -114,11 +115,19 @@ def read_pickle(path: PathLike) -> Any:
     return obj
 
 
+def array_to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor of ``array``'s values: its own memory when torch may take it (C-contiguous and
+    writable), a copy otherwise (a 0-d array stays 0-d)."""
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = array.copy(order="C")
+    return torch.from_numpy(array)
+
+
 def _as_tensor(value: Any, key: str, path: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value if value.flags.c_contiguous and value.flags.writeable else value.copy(order="C"))
+        return array_to_tensor(value)
     if isinstance(value, (np.generic, int, float)):
         return torch.as_tensor(np.asarray(value))
     raise PretrainedError(f"{path!r}: entry {key!r} is a {type(value).__name__}, not an array")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from pareprop.detection.detectron2.safe_pickle import read_zoo_file
+from pareprop.detection.detectron2.safe_pickle import array_to_tensor, read_zoo_file
 from pareprop.models.published import PretrainedError
 
 __all__ = ["Detectron2Weights", "load_backbone_weights", "read_weights"]
@@ -91,7 +91,7 @@ def read_weights(file_or_state_dict: Union[str, "os.PathLike[str]", Mapping[str,
     weights = {}
     for k, v in state.items():
         if isinstance(v, np.ndarray):
-            v = torch.from_numpy(v if v.flags.c_contiguous and v.flags.writeable else v.copy(order="C"))
+            v = array_to_tensor(v)
         if not isinstance(v, torch.Tensor):
             raise PretrainedError(f"the state dict's entry {k!r} is a {type(v).__name__}, "
                                   "not a tensor or an array")
