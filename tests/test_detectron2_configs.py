@@ -103,3 +103,100 @@ def test_a_download_is_refused_in_one_line():
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="vitdet_b"):
         create_detector("fasterrcnn", "detectron2:vitdet_x", num_classes=3)
+
+
+def _zoo_heads(K, C=256, gen=None):
+    """detectron2's Mask R-CNN ViTDet heads (2-conv RPN, 4conv1fc box head with LN, mask head
+    with LN), random, under detectron2's names and shapes, for K classes."""
+    gen = gen or torch.Generator().manual_seed(3)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    heads = {}
+    for k in range(2):
+        heads[f"proposal_generator.rpn_head.conv.conv{k}.weight"] = r(C, C, 3, 3)
+        heads[f"proposal_generator.rpn_head.conv.conv{k}.bias"] = r(C)
+    heads.update({"proposal_generator.rpn_head.objectness_logits.weight": r(3, C, 1, 1),
+                  "proposal_generator.rpn_head.objectness_logits.bias": r(3),
+                  "proposal_generator.rpn_head.anchor_deltas.weight": r(12, C, 1, 1),
+                  "proposal_generator.rpn_head.anchor_deltas.bias": r(12)})
+    for k in range(1, 5):
+        heads[f"roi_heads.box_head.conv{k}.weight"] = r(256, C, 3, 3)
+        heads[f"roi_heads.box_head.conv{k}.norm.weight"] = 1 + r(256)
+        heads[f"roi_heads.box_head.conv{k}.norm.bias"] = r(256)
+        heads[f"roi_heads.mask_head.mask_fcn{k}.weight"] = r(256, C, 3, 3)
+        heads[f"roi_heads.mask_head.mask_fcn{k}.norm.weight"] = 1 + r(256)
+        heads[f"roi_heads.mask_head.mask_fcn{k}.norm.bias"] = r(256)
+    heads.update({"roi_heads.box_head.fc1.weight": r(1024, 256 * 49) * 0.1,
+                  "roi_heads.box_head.fc1.bias": r(1024),
+                  "roi_heads.box_predictor.cls_score.weight": r(K + 1, 1024),
+                  "roi_heads.box_predictor.cls_score.bias": r(K + 1),
+                  "roi_heads.box_predictor.bbox_pred.weight": r(4 * K, 1024),
+                  "roi_heads.box_predictor.bbox_pred.bias": r(4 * K),
+                  "roi_heads.mask_head.deconv.weight": r(256, 256, 2, 2),
+                  "roi_heads.mask_head.deconv.bias": r(256),
+                  "roi_heads.mask_head.predictor.weight": r(K, 256, 1, 1),
+                  "roi_heads.mask_head.predictor.bias": r(K),
+                  "roi_heads.box_head.0.conv1.weight": r(2)})  # a cascade stage's: no place
+    return heads
+
+
+def _ln(x, w, b):  # detectron2's LN over channels
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    return w[:, None, None] * ((x - u) / torch.sqrt(s + 1e-6)) + b[:, None, None]
+
+
+def test_zoo_heads_load_into_torchvisions_vitdet_heads_with_the_same_function():
+    from pareprop.detection.detectron2 import load_detectron2_heads
+
+    F = torch.nn.functional
+    K = 2
+    heads = _zoo_heads(K)
+    detector = create_detector("maskrcnn", "detectron2:vitdet_b", num_classes=K + 1,
+                               backbone_args=TINY, heads="vitdet").eval()
+    report = load_detectron2_heads(detector, heads)
+    assert report.left_out == ["roi_heads.box_head.0.conv1.weight"]
+    assert len(report.loaded) == len(heads) - 1
+    torch.manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn(2, 256, 8, 8)
+        h = x
+        for k in range(2):  # RPN: shared convs with ReLU, then objectness and deltas
+            h = F.relu(F.conv2d(h, heads[f"proposal_generator.rpn_head.conv.conv{k}.weight"],
+                                heads[f"proposal_generator.rpn_head.conv.conv{k}.bias"],
+                                padding=1))
+        logits, deltas = detector.rpn.head([x])
+        want = F.conv2d(h, heads["proposal_generator.rpn_head.objectness_logits.weight"],
+                        heads["proposal_generator.rpn_head.objectness_logits.bias"])
+        torch.testing.assert_close(logits[0], want)
+        want = F.conv2d(h, heads["proposal_generator.rpn_head.anchor_deltas.weight"],
+                        heads["proposal_generator.rpn_head.anchor_deltas.bias"])
+        torch.testing.assert_close(deltas[0], want)
+        r = torch.randn(3, 256, 7, 7)  # box head: 4 x (conv, LN, ReLU), flatten, fc, ReLU
+        h = r
+        for k in range(1, 5):
+            h = F.relu(_ln(F.conv2d(h, heads[f"roi_heads.box_head.conv{k}.weight"], padding=1),
+                           heads[f"roi_heads.box_head.conv{k}.norm.weight"],
+                           heads[f"roi_heads.box_head.conv{k}.norm.bias"]))
+        h = F.relu(F.linear(h.flatten(1), heads["roi_heads.box_head.fc1.weight"],
+                            heads["roi_heads.box_head.fc1.bias"]))
+        feats = detector.roi_heads.box_head(r)
+        torch.testing.assert_close(feats, h, rtol=1e-4, atol=1e-5)
+        scores, boxes = detector.roi_heads.box_predictor(h)
+        d2 = F.linear(h, heads["roi_heads.box_predictor.cls_score.weight"],
+                      heads["roi_heads.box_predictor.cls_score.bias"])
+        torch.testing.assert_close(scores, torch.cat([d2[:, -1:], d2[:, :-1]], 1))  # bg first
+        d2 = F.linear(h, heads["roi_heads.box_predictor.bbox_pred.weight"],
+                      heads["roi_heads.box_predictor.bbox_pred.bias"])
+        torch.testing.assert_close(boxes[:, 4:], d2)
+    own = detector.state_dict()
+    for k in range(1, 5):  # the mask head's convolutions and norms in torchvision's places
+        assert torch.equal(own[f"roi_heads.mask_head.{k - 1}.0.weight"],
+                           heads[f"roi_heads.mask_head.mask_fcn{k}.weight"])
+        assert torch.equal(own[f"roi_heads.mask_head.{k - 1}.1.bias"],
+                           heads[f"roi_heads.mask_head.mask_fcn{k}.norm.bias"])
+    logits = own["roi_heads.mask_predictor.mask_fcn_logits.weight"]
+    assert not torch.any(logits[0])  # the background's mask, never used
+    assert torch.equal(logits[1:], heads["roi_heads.mask_head.predictor.weight"])

@@ -16,7 +16,8 @@ blocks a small beta cannot rebuild, as for every converted model.
   pyramid and the FPN;
 * ``configs``: the named configurations; ``weights``: the files' names onto the modules;
 * ``build``: :func:`from_detectron2` and :func:`build_detectron2_backbone`;
-* ``registry``: ``detectron2:NAME`` backbones for :func:`pareprop.detection.create_detector`.
+* ``registry``: ``detectron2:NAME`` backbones for :func:`pareprop.detection.create_detector`;
+* ``heads``: a model-zoo detector's heads into torchvision's, where they correspond.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pareprop.detection.detectron2.configs import (
     config_names,
     get_config,
 )
+from pareprop.detection.detectron2.heads import HeadsReport, load_detectron2_heads
 from pareprop.detection.detectron2.mvit import MViT
 from pareprop.detection.detectron2.pyramid import FPN, SimpleFeaturePyramid
 from pareprop.detection.detectron2.safe_pickle import UnsafePickleError, read_pickle, read_zoo_file
@@ -40,5 +42,5 @@ from pareprop.detection.detectron2 import registry  # noqa: E402,F401  isort: sk
 __all__ = [
     "CONFIGS", "Detectron2Config", "Detectron2Weights", "FPN", "MViT", "SimpleFeaturePyramid",
     "UnsafePickleError", "ViT", "build_detectron2_backbone", "config_names", "from_detectron2",
-    "get_config", "read_pickle", "read_zoo_file",
+    "get_config", "HeadsReport", "load_detectron2_heads", "read_pickle", "read_zoo_file",
 ]

@@ -4,10 +4,10 @@ backbones by name in pareprop's detectors (registered with
 
 The backbone starts at the coupling (1, 0) with its precision guard, as every converted model
 (``backbone_args``: ``coupling``, ``tolerance`` and detectron2's ``ViT``/``MViT`` arguments).
-A model-zoo file's heads (``proposal_generator.*``, ``roi_heads.*``) are left out: torchvision's
-heads differ from detectron2's in what their tensors mean (background last and class-specific
-boxes for K classes in detectron2, first and K + 1 in torchvision; ROIAlignV2's half-pixel
-alignment; the RPN's anchor order), so they start fresh, and the load says so in one line.
+A model-zoo file's heads (``proposal_generator.*``, ``roi_heads.*``) are not the backbone's:
+the builder keeps them in ``backbone.load_report.heads`` and says in one line that the detector's
+heads start fresh unless :func:`~pareprop.detection.detectron2.load_detectron2_heads` is called on
+the detector (NOTE [ detectron2's heads in torchvision's ] in ``heads.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def build_detectron2_backbone_by_name(
         if report.heads:
             _logger.warning(
                 "%s: the model zoo's %d head tensors (proposal_generator.*, roi_heads.*) are "
-                "left out; torchvision's heads start fresh", report.source, len(report.heads))
+                "left out of the backbone; torchvision's heads start fresh unless "
+                "pareprop.detection.detectron2.load_detectron2_heads(detector) loads those "
+                "they take", report.source, len(report.heads))
     if cfg.family == "vit":
         # ViTDet trains and tests at 1024 (large-scale jitter; the longer side resized to
         # 1024, padded square): the detector resizes so. MViTv2 keeps torchvision's 800/1333,
