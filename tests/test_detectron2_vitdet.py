@@ -182,3 +182,12 @@ def test_zoo_pickles_of_every_protocol_read_back_exactly(tmp_path, protocol):
     assert set(weights) == set(arrays)
     for k, v in arrays.items():
         assert torch.equal(weights[k], torch.as_tensor(np.asarray(v))), k
+
+
+def test_a_pkl_that_is_a_torch_file_is_read_by_torch_with_weights_only(tmp_path):
+    from pareprop.detection.detectron2 import read_zoo_file
+
+    path = tmp_path / "converted.pkl"
+    torch.save({"model": {"backbone.a": torch.arange(3.0)}}, path)
+    weights, info = read_zoo_file(os.fspath(path))
+    assert torch.equal(weights["backbone.a"], torch.arange(3.0)) and info == {}
