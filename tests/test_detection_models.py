@@ -260,3 +260,15 @@ def test_memory_budget_reaches_the_detector():
     plan = pareprop.set_memory_budget(model, 1.0, (images, targets))
     assert set(plan.stored) == {n for n, m in model.named_modules()
                                 if isinstance(m, ReversibleStack)}
+
+
+def test_torchvision_source_keeps_no_unused_parameter():
+    """torchvision's Swin (converted) has no prune_intermediate_layers: its final norm and head
+    are dropped all the same, so every parameter left gets a gradient (as DDP needs)."""
+    torch.manual_seed(0)
+    model = tiny("fasterrcnn", "converted:swin_t", backbone_args=None)
+    assert model.backbone.fixed_size is None  # torchvision's Swin takes any size
+    images, targets = batch(1)
+    targets[0].pop("masks")
+    sum(model.train()(images, targets).values()).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
