@@ -11,7 +11,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pareprop.fsdp import fsdp_available
+from pareprop.distributed.fsdp import fsdp_available
 
 pytestmark = [  # slow: a spawned process pair (README, Development)
     pytest.mark.slow,

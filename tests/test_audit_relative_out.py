@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from pareprop.cli.options import output_folder
-from pareprop.rundir import RunDirError, check_new_run_dir
+from pareprop.trainer.rundir import RunDirError, check_new_run_dir
 
 
 def _within(seconds, fn, *args):

@@ -14,8 +14,8 @@ import torch.nn as nn
 import pareprop
 from pareprop.checkpoint import save_checkpoint
 from pareprop.data import build_datasets
+from pareprop.data.video import PUBLISHED_CONFIG, clip_indices, video_data_config
 from pareprop.evaluate import evaluate
-from pareprop.video import PUBLISHED_CONFIG, clip_indices, video_data_config
 
 MODEL = "rev_mvit_base_16x4"
 TINY = dict(num_frames=4, img_size=32, embed_dim=8, depth=4, transition_blocks=[2],

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as tdist
 
 import pareprop
-from pareprop import fsdp
+from pareprop.distributed import fsdp
 
 pytestmark = pytest.mark.skipif(
     not (tdist.is_available() and fsdp.fsdp_available()

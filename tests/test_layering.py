@@ -36,12 +36,12 @@ LAYERS: List[Tuple[str, ...]] = [
     # module per source family (each registers its named model, as pareprop.models does).
     ("pareprop.convert",),
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
-    # torchvision's detectors on pareprop's backbones, their COCO AP and pictures.
-    ("pareprop.detection",),
     ("pareprop.memory",),  # measuring and planning memory, the memory budget, drift
     # checkpoint: pareprop checkpoint directories; pretrained: published weights.
     # data: the data config, image and video data sets, COCO-format detection data.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.pretrained"),
+    # Detectors: torchvision's, on the models' trunks through feature pyramids; COCO AP.
+    ("pareprop.detection",),
     ("pareprop.bench", "pareprop.trainer", "pareprop.evaluate"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
