@@ -67,8 +67,24 @@ def apply_convert_options(cfg: Any) -> None:
     if cfg.from_scratch and (cfg.pretrained or cfg.pretrained_file is not None):
         start = "--pretrained" if cfg.pretrained else f"--pretrained-file {cfg.pretrained_file}"
         raise ValueError(f"--from-scratch and {start} contradict each other: give one")
+    engine = (cfg.model_kwargs or {}).get("engine")
+    if engine is not None and engine != cfg.engine and cfg.resume is None:
+        # The trainer builds the model with --engine: a model argument would be overridden.
+        raise ValueError(
+            f"--model-arg engine={engine} and --engine {cfg.engine} contradict each other: "
+            f"give --engine {engine}"
+        )
+    converts = cfg.convert_from is not None or cfg.model in converted_model_names()
+    if converts and "coupling" in (cfg.model_kwargs or {}) and cfg.resume is None:
+        raise ValueError(
+            f"--model-arg coupling={cfg.model_kwargs['coupling']} would be overridden: the "
+            "coupling schedule sets the coupling from the first step; choose it with "
+            "--coupling-schedule (reversible: (0, 1) throughout) and --coupling-steps"
+        )
     if cfg.convert_from is None:
-        if cfg.coupling_steps is not None:
+        # A resumed run restores --convert-from from its checkpoint, and the run's own
+        # comparison (equal accepted, different refused) judges --coupling-steps then.
+        if cfg.coupling_steps is not None and cfg.resume is None:
             raise ValueError(
                 f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
                 "this run converts nothing: add --convert-from NAME, or drop --coupling-steps"
@@ -96,6 +112,10 @@ def apply_convert_options(cfg: Any) -> None:
     if pretrained is not None:
         if not isinstance(pretrained, bool):
             raise ValueError(f"expected --model-arg pretrained=true or false, got {pretrained!r}")
+        if pretrained and cfg.from_scratch:
+            raise ValueError(
+                "--model-arg pretrained=true and --from-scratch contradict each other: give one"
+            )
         if not pretrained and cfg.pretrained_file is not None:
             raise ValueError(
                 f"--model-arg pretrained=false and --pretrained-file {cfg.pretrained_file} "

@@ -44,9 +44,10 @@ from timm.models.mvitv2 import (
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, drop_path_samples, sliced_dropouts
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -273,8 +274,24 @@ def converted_mvitv2(
     :func:`pareprop.set_coupling` records a new one here, so a checkpoint rebuilds the model at
     the coupling it was saved at. ``tolerance``: of the precision guard (None: no guard).
     """
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
     fields = {f.name for f in dataclasses.fields(MultiScaleVitCfg)}
     changes = {k: timm_kwargs.pop(k) for k in list(timm_kwargs) if k in fields}
+    given = {**timm_kwargs, **changes}
+    mvit = build_source(lambda: _build_mvitv2(source, changes, timm_kwargs), f"timm's {source}",
+                        given)
+    if pretrained_file is not None:
+        load_mvitv2_weights(mvit, pretrained_file)
+    model = convert(mvit, engine=engine, tolerance=tolerance)
+    if (alpha, beta) != (1.0, 0.0):
+        set_coupling(model, alpha, beta)
+    return model
+
+
+def _build_mvitv2(source: str, changes: Dict[str, Any],
+                  timm_kwargs: Dict[str, Any]) -> MultiScaleVit:
+    """timm's ``source``, its configuration changed by ``changes`` (``MultiScaleVitCfg``'s
+    fields), built with ``timm_kwargs``."""
     if changes:
         arch = source.split(".")[0]
         if arch not in model_cfgs:
@@ -287,15 +304,8 @@ def converted_mvitv2(
             model_cfg=dataclasses.replace(model_cfgs[arch], **changes),
             pretrained_filter_fn=checkpoint_filter_fn,
             feature_cfg=dict(out_indices=4, feature_cls="getter"), **timm_kwargs)
-    else:
-        mvit = timm.create_model(source, **timm_kwargs)
-    if pretrained_file is not None:
-        load_mvitv2_weights(mvit, pretrained_file)
-    model = convert(mvit, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
-    if (alpha, beta) != (1.0, 0.0):
-        set_coupling(model, alpha, beta)
-    return model
+        return mvit
+    return timm.create_model(source, **timm_kwargs)
 
 
 register_source_names(

@@ -42,9 +42,10 @@ from pareprop.convert.block import (
     fused_attention_dropout,
     sliced_dropouts,
 )
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -413,8 +414,8 @@ def load_swin_weights(model: nn.Module, path: str) -> None:
     load_source_weights(
         model, path, head=("head.fc.weight", "head.fc.bias"),
         checkpoint_filter=_FILTERS.get(type(model)),
-        hint="is it the weights of another Swin (give --convert-from the source it was trained "
-             "as, and its --model-arg sizes)?",
+        hint="is it the weights of another Swin (name the source it was trained as, and its "
+             "sizes as --model-arg)?",
     )
 
 
@@ -435,11 +436,12 @@ def converted_swin(
     here, so a checkpoint rebuilds the model at the coupling it was saved at.
     ``tolerance``: of the precision guard (None: no guard).
     """
-    swin = timm.create_model(source, **timm_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    swin = build_source(lambda: timm.create_model(source, **timm_kwargs), f"timm's {source}",
+                        timm_kwargs)
     if pretrained_file is not None:
         load_swin_weights(swin, pretrained_file)
     model = convert(swin, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model

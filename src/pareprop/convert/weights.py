@@ -72,8 +72,8 @@ def load_classifier_source_weights(
         classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
     load_source_weights(
         model, path, (f"{classifier}.weight", f"{classifier}.bias"), checkpoint_filter,
-        hint=f"is it the weights of another {what} (give --convert-from the source it was "
-        "trained as, and its --model-arg sizes)?",
+        hint=f"is it the weights of another {what} (name the source it was trained as, and "
+        "its sizes as --model-arg)?",
     )
 
 
