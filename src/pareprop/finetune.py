@@ -36,11 +36,14 @@ from pareprop.convert import (
     converted_model_name,
     converted_model_names,
 )
+from pareprop.convert.weights import saved_coupling
 from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pretrained
 
 __all__ = [
     "apply_convert_options",
+    "check_start_coupling",
     "make_coupling_schedule",
+    "start_coupling",
     "load_initial_weights",
     "load_timm_pretrained",
     "create_finetune_optimizer",
@@ -123,9 +126,33 @@ def apply_convert_options(cfg: Any) -> None:
             )
         cfg.from_scratch = cfg.from_scratch or not pretrained
     kwargs["source"] = cfg.convert_from
-    if cfg.pretrained_file is not None:
+    if cfg.pretrained_file is not None and cfg.resume is None:
+        check_start_coupling(cfg, cfg.pretrained_file)
+    # A pareprop checkpoint directory is loaded by load_initial_weights once the model is
+    # built (load_pretrained reads it, verified); a file is the source's, read by its family.
+    if cfg.pretrained_file is not None and not os.path.isdir(cfg.pretrained_file):
         kwargs["pretrained_file"] = cfg.pretrained_file
     cfg.model, cfg.model_kwargs = converted, kwargs
+
+
+def start_coupling(cfg: Any) -> Tuple[float, float]:
+    """The coupling a new run's schedule starts at: (0, 1) for ``reversible``, else (1, 0)."""
+    return (0.0, 1.0) if cfg.coupling_schedule == "reversible" else (1.0, 0.0)
+
+
+def check_start_coupling(cfg: Any, path: str) -> None:
+    """Refuse initial weights saved at another coupling than the run starts at (NOTE [ The
+    coupling travels with the weights ] in pareprop/convert/weights.py), in the run's words."""
+    saved, start = saved_coupling(path), start_coupling(cfg)
+    if saved is None or saved == start:
+        return
+    other = "; or start at (0, 1) with --coupling-schedule reversible" \
+        if saved == (0.0, 1.0) else ""
+    raise ValueError(
+        f"--pretrained-file {path} holds weights trained at coupling (alpha, beta) = {saved}, "
+        f"and --coupling-schedule {cfg.coupling_schedule} starts at {start}, where they "
+        f"compute another function: continue their run with --resume{other}"
+    )
 
 
 def make_coupling_schedule(cfg: Any, model: nn.Module,

@@ -56,7 +56,7 @@ from pareprop.convert.source import (
     register_source_names,
 )
 from pareprop.convert.stages import CoupledRuns, pools_nothing
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -275,6 +275,8 @@ def converted_mvitv2(
     the coupling it was saved at. ``tolerance``: of the precision guard (None: no guard).
     """
     alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     fields = {f.name for f in dataclasses.fields(MultiScaleVitCfg)}
     changes = {k: timm_kwargs.pop(k) for k in list(timm_kwargs) if k in fields}
     given = {**timm_kwargs, **changes}

@@ -45,7 +45,7 @@ from pareprop.convert.torchvision_swin_base import (
     check_features,
     load_torchvision_pretrained,
 )
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_source_weights
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -184,6 +184,8 @@ def converted_swin3d(
     weights': :func:`pareprop.convert.source.set_clip_data`).
     """
     alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     for name, value in (("num_frames", num_frames), ("img_size", img_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {name} to be a positive integer, got {value!r}")

@@ -54,7 +54,7 @@ from pareprop.convert.source import (
     set_clip_data,
 )
 from pareprop.convert.stages import CoupledRuns, pools_nothing
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, register_model
 from pareprop.models.published import PretrainedError
@@ -429,6 +429,8 @@ def converted_tv_mvit(
     if img_size is not None:
         tv_kwargs["spatial_size"] = (int(img_size), int(img_size))
     alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     mvit = build_source(lambda: published_mvit(source, **tv_kwargs), f"torchvision's {source}",
                         tv_kwargs)
     if pretrained_file is not None:

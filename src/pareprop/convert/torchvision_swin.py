@@ -40,7 +40,7 @@ from pareprop.convert.source import (
     register_source_names,
 )
 from pareprop.convert.torchvision_swin_base import TorchvisionSwinFeatures, check_features
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_source_weights
 from pareprop.layers.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -224,6 +224,8 @@ def converted_tv_swin(
     default the weights' crop, 224 for V1 and 256 for V2; torchvision's model takes any size).
     """
     alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int)
                                  or img_size < 1):
         raise ValueError(f"expected img_size to be a positive integer, got {img_size!r}")

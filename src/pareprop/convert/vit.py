@@ -46,7 +46,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
 
@@ -295,6 +295,8 @@ def converted_vit(
     ``tolerance``: of the precision guard (None: no guard).
     """
     alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     vit = build_source(lambda: timm.create_model(source, **timm_kwargs), f"timm's {source}",
                        timm_kwargs)
     if pretrained_file is not None:
