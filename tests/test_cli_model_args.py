@@ -147,3 +147,29 @@ def test_eval_refuses_a_model_the_checkpoint_does_not_name(folder, tmp_path, cap
         assert other in line and "name two models" in line
     for same in ("converted_vit", f"converted:{SOURCE}"):
         assert cli(["eval", "--model", same, *common]) == 0, capsys.readouterr().err
+
+
+def test_plan_and_eval_errors_speak_their_own_flags(folder, monkeypatch, capsys):
+    # Neither command has --convert-from, --pretrained-file or --from-scratch.
+    train_flags = ("--convert-from", "--pretrained-file", "--from-scratch")
+    for argv in (["plan", "--models", "converted:no_such_vit", "--batch-sizes", "2",
+                  "--device", "cpu"],
+                 ["eval", "--model", "converted:no_such_vit", "--pretrained", "--data-dir",
+                  str(folder)]):
+        line = _one_line_error(capsys, cli(argv))
+        assert "converted:no_such_vit" in line
+        assert not any(flag in line for flag in train_flags), line
+    real = timm.create_model
+
+    def hub(name, pretrained=False, **kwargs):  # timm's weights: its own 192-wide ViT-Ti
+        if pretrained:
+            weights = real(name, **{**kwargs, "embed_dim": 192, "num_heads": 3}).state_dict()
+            real(name, **kwargs).load_state_dict(weights)  # raises as timm's loader does
+        return real(name, **kwargs)
+
+    monkeypatch.setattr("pareprop.finetune.timm.create_model", hub)
+    line = _one_line_error(capsys, cli([
+        "eval", "--model", f"converted:{SOURCE}", "--pretrained", "--data-dir", str(folder),
+        *ARGS]))
+    assert "embed_dim" in line and "--checkpoint PATH" in line
+    assert not any(flag in line for flag in train_flags), line

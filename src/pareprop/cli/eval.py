@@ -181,8 +181,12 @@ def build_converted(name: str, source: str, weight_file: Optional[str], kwargs: 
     except PretrainedError as e:
         # The loaders word their advice for pareprop train (--pretrained-file, --from-scratch):
         # keep their reason, give eval's.
-        reason = str(e).split("; offline")[0].split("; pass ")[0]
-        reason = reason.removeprefix(f"--convert-from {source}: ")  # train's flag, not eval's
+        text = str(e).removeprefix(f"--convert-from {source}: ")  # train's flag, not eval's
+        if "; drop " in text:  # model arguments the weights do not fit: name them, no flags
+            reason = text.split(", or pass weights")[0]
+            raise PretrainedError(f"--model {name} --pretrained: {reason}, or pass weights of "
+                                  "this configuration with --checkpoint PATH") from None
+        reason = text.split("; offline")[0].split("; pass ")[0]
         raise PretrainedError(f"--model {name} --pretrained: {reason}; offline, pass a local "
                               f"copy of {source}'s weights with --checkpoint PATH") from None
     return model
