@@ -82,6 +82,8 @@ def test_eval_refuses_bad_model_args_of_a_converted_model(arg, folder, weights, 
      "num_frames to be a positive"),
     ("converted_tv_mvit", dict(source="mvit_v2_s", max_run=0), "max_run to be a positive"),
     ("converted_mvitv2", dict(source="mvitv2_tiny", depths=2), "cannot build timm's mvitv2"),
+    ("converted_mvitv2", dict(source="mvitv2_tiny", img_size=63, embed_dim=16, depths=[1, 2],
+                              num_heads=[1, 2]), "img_size=63 but cannot run at it"),
     ("converted_vit", dict(source=SOURCE, coupling=[0.5]), r"coupling=\[alpha, beta\]"),
     ("converted_swin3d", dict(source="swin3d_t", frame_stride=0), "frame_stride an int >= 1"),
     ("converted_tv_mvit", dict(source="mvit_v2_s", mean=[0.5, 0.5]), "mean with one number"),
@@ -173,3 +175,13 @@ def test_plan_and_eval_errors_speak_their_own_flags(folder, monkeypatch, capsys)
         *ARGS]))
     assert "embed_dim" in line and "--checkpoint PATH" in line
     assert not any(flag in line for flag in train_flags), line
+
+
+def test_eval_refuses_an_engine_model_arg_that_engine_overrides(folder, weights, capsys):
+    common = ["eval", "--model", f"converted:{SOURCE}", "--checkpoint", str(weights),
+              "--data-dir", str(folder), "--workers", "0", "--no-progress", *ARGS]
+    line = _one_line_error(capsys, cli([*common, "--model-arg", "engine=autograd",
+                                        "--engine", "pareprop"]))
+    assert "engine=autograd and --engine pareprop" in line
+    assert cli([*common, "--model-arg", "engine=pareprop", "--engine", "pareprop",
+                "--model-arg", "num_classes=3"]) == 0

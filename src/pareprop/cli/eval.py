@@ -99,6 +99,10 @@ def _is_pareprop_checkpoint(path: str) -> bool:
 def build_model(args: argparse.Namespace):
     """The model ``args`` describe, with its weights."""
     kwargs = _parse_model_args(args.model_args)
+    if args.engine is not None and kwargs.get("engine", args.engine) != args.engine:
+        # evaluate() switches the stacks to --engine: the model argument would be overridden
+        raise ValueError(f"--model-arg engine={kwargs['engine']} and --engine {args.engine} "
+                         "contradict each other: give one")
     if args.checkpoint and _is_pareprop_checkpoint(args.checkpoint):
         model = pareprop.load_model(args.checkpoint, **kwargs)
         if args.model:

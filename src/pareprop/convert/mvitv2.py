@@ -282,12 +282,40 @@ def converted_mvitv2(
     given = {**timm_kwargs, **changes}
     mvit = build_source(lambda: _build_mvitv2(source, changes, timm_kwargs), f"timm's {source}",
                         given)
+    if "img_size" in timm_kwargs:
+        _check_runs_at_size(mvit, source, timm_kwargs["img_size"])
     if pretrained_file is not None:
         load_mvitv2_weights(mvit, pretrained_file)
     model = convert(mvit, engine=engine, tolerance=tolerance)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model
+
+
+def _check_runs_at_size(mvit: MultiScaleVit, source: str, img_size: Any) -> None:
+    """Refuse an ``img_size`` timm's MViTv2 builds at but cannot run at.
+
+    timm sizes each stage's relative-position tables from ``img_size`` divided down by the
+    strides, while its pooling convolutions round up: at a size whose maps do not halve
+    evenly (63, or 40 with four stages) the first forward indexes past a table. One forward of
+    a single image, without a graph, at the size the model records, finds it when the model is
+    built rather than in the first training step; only when ``img_size`` was given."""
+    size = _img_size(mvit)
+    device = next(mvit.parameters()).device
+    if device.type == "meta":
+        return  # no values to index: planning builds on the meta device
+    training = mvit.training
+    try:
+        with torch.no_grad():
+            mvit.eval()(torch.zeros(1, mvit.patch_embed.proj.in_channels, *size, device=device))
+    except (IndexError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"timm's {source} builds at img_size={img_size!r} but cannot run at it ({first}): "
+            "give a size whose maps halve evenly at every stage (a multiple of 32, as 224)"
+        ) from None
+    finally:
+        mvit.train(training)
 
 
 def _build_mvitv2(source: str, changes: Dict[str, Any],
