@@ -104,3 +104,21 @@ def test_a_deep_copy_keeps_its_own_coupling():
     pareprop.set_coupling(model, 0.0, 1.0)
     assert pareprop.coupling_of(twin) == (1.0, 0.0)
     assert list(twin.state_dict()) == list(model.state_dict())
+
+
+def _eval_forward(model, x):
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.slow
+def test_a_converted_model_reaches_a_spawned_process():
+    import multiprocessing
+
+    torch.manual_seed(0)
+    model = pareprop.create_model("converted_vit", **VIT)
+    x = model.example_inputs(2)[0]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out = pool.apply(_eval_forward, (model, x))
+    assert torch.equal(out, _eval_forward(model, x))
