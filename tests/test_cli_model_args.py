@@ -185,3 +185,15 @@ def test_eval_refuses_an_engine_model_arg_that_engine_overrides(folder, weights,
     assert "engine=autograd and --engine pareprop" in line
     assert cli([*common, "--model-arg", "engine=pareprop", "--engine", "pareprop",
                 "--model-arg", "num_classes=3"]) == 0
+
+
+def test_eval_refuses_another_head_for_a_registered_model_too(folder, tmp_path, capsys):
+    from test_pretrained import VIT, _slowfast_file, slowfast_vit_state
+
+    # The folder's 3 classes and a file of 5: the old code scored a random 3-class head.
+    path = _slowfast_file(tmp_path / "REV_VIT.pyth", slowfast_vit_state(classes=5))
+    args = [f"--model-arg={k}={v}" for k, v in {**VIT, "num_classes": 3}.items()]
+    line = _one_line_error(capsys, cli([
+        "eval", "--model", "rev_vit_base_patch16_224", "--checkpoint", str(path),
+        "--data-dir", str(folder), "--workers", "0", "--no-progress", *args]))
+    assert "num_classes=3" in line and "5 classes" in line
