@@ -58,7 +58,7 @@ def test_bad_schedules_are_refused():
         pareprop.CouplingSchedule(_model(), "step")
     with pytest.raises(ValueError, match="steps >= 1"):
         pareprop.CouplingSchedule(_model(), "linear", steps=0)
-    with pytest.raises(ValueError, match="convert a timm ViT first"):
+    with pytest.raises(ValueError, match="RevViT has no converted blocks"):
         pareprop.set_coupling(pareprop.create_model("rev_vit_tiny_patch4_32"), 0.5, 0.5)
 
 

@@ -104,7 +104,7 @@ def model_source(name: str) -> str:
     """
     source = converted_source(name)
     if source is not None:
-        converted_model_name(source)  # raises, naming the families pareprop converts
+        converted_model_name(source, name)  # raises, naming the families pareprop converts
         return "converted"
     if is_model(name):
         return "pareprop"
@@ -179,7 +179,7 @@ def _default_converted(name: str) -> nn.Module:
 def _create_converted(name: str, kwargs: Dict[str, Any]) -> nn.Module:
     source = converted_source(name)
     kwargs = {"coupling": CONVERTED_COUPLING, "tolerance": None, **kwargs, "source": source}
-    return create_model(converted_model_name(source), **kwargs)
+    return create_model(converted_model_name(source, f"converted:{source}"), **kwargs)
 
 
 def _default_timm(name: str) -> nn.Module:
@@ -249,8 +249,8 @@ def build_model(request: ModelRequest, facts: Optional[ModelFacts] = None) -> nn
         try:
             model = (_create_converted(request.model, kwargs) if facts.source == "converted"
                      else create_model(request.model, **kwargs))
-        except TypeError as err:  # torchvision's sources take no depth (their own layouts)
-            if request.depth is not None and "depth" in str(err):
+        except (TypeError, ValueError) as err:  # torchvision's sources take no depth
+            if request.depth is not None and "argument 'depth'" in str(err):
                 raise ValueError(
                     f"depth override unsupported: the source of {request.model!r} takes no "
                     "depth argument; give no depth for it (--depth, --depths)"

@@ -229,6 +229,8 @@ def save_checkpoint(
     try:
         weights = os.path.join(tmp_dir, WEIGHTS)
         header = {"format": FORMAT, "model": spec["name"]}
+        if "coupling" in spec["kwargs"]:  # NOTE [ The coupling travels with the weights ]
+            header["coupling"] = json.dumps([float(c) for c in spec["kwargs"]["coupling"]])
         if state_dict is None:
             atomic_write(weights, lambda p: save_model(model, p, metadata=header))
         else:

@@ -16,6 +16,8 @@ import os
 import torch.nn as nn
 
 from pareprop.checkpoint import META, WEIGHTS, CheckpointError, load_checkpoint
+from pareprop.convert import coupling_of
+from pareprop.convert.weights import check_saved_coupling
 from pareprop.models.published import (
     PUBLISHED,
     LoadReport,
@@ -39,6 +41,10 @@ __all__ = [
 ]
 
 
+def _is_converted(model: nn.Module) -> bool:
+    return any(hasattr(m, "set_alpha") for m in model.modules())
+
+
 def load_pretrained(model: nn.Module, path: PathLike, strict: bool = True) -> LoadReport:
     """Load published or pareprop weights from ``path`` into ``model``, detecting the layout.
 
@@ -55,10 +61,15 @@ def load_pretrained(model: nn.Module, path: PathLike, strict: bool = True) -> Lo
             directory (its ``last`` checkpoint).
         strict: False tolerates missing and unexpected tensors (misshapen ones still fail).
 
+    A converted model's weights saved at another coupling than the model's are refused (NOTE
+    [ The coupling travels with the weights ] in pareprop/convert/weights.py).
+
     Raises:
         PretrainedError: unreadable, unsafe, foreign or non-fitting file.
     """
     path = os.fspath(path)
+    if _is_converted(model):  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(path, coupling_of(model))
     in_checkpoint = os.path.basename(path) in (META, WEIGHTS) and os.path.isfile(
         os.path.join(os.path.dirname(path) or ".", META))
     if os.path.isdir(path) or in_checkpoint:  # verified by its checksums

@@ -31,7 +31,7 @@ from pareprop.convert import converted_model_name
 from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
-from pareprop.models.published import PretrainedError
+from pareprop.models.published import PretrainedError, read_state
 from pareprop.trainer.finetune import load_timm_pretrained
 
 __all__ = ["main", "build_parser"]
@@ -99,8 +99,15 @@ def _is_pareprop_checkpoint(path: str) -> bool:
 def build_model(args: argparse.Namespace):
     """The model ``args`` describe, with its weights."""
     kwargs = _parse_model_args(args.model_args)
+    if args.engine is not None and kwargs.get("engine", args.engine) != args.engine:
+        # evaluate() switches the stacks to --engine: the model argument would be overridden
+        raise ValueError(f"--model-arg engine={kwargs['engine']} and --engine {args.engine} "
+                         "contradict each other: give one")
     if args.checkpoint and _is_pareprop_checkpoint(args.checkpoint):
-        return pareprop.load_model(args.checkpoint, **kwargs)
+        model = pareprop.load_model(args.checkpoint, **kwargs)
+        if args.model:
+            _check_named_model(args.model, args.checkpoint, model)
+        return model
     if not args.model:
         raise ValueError("--model NAME is needed unless --checkpoint is a pareprop checkpoint")
     source = converted_source(args.model)
@@ -109,8 +116,53 @@ def build_model(args: argparse.Namespace):
     if args.pretrained:
         return pareprop.create_model(args.model, pretrained=True, **kwargs)
     model = pareprop.create_model(args.model, **kwargs)
-    pareprop.load_pretrained(model, args.checkpoint)
+    report = pareprop.load_pretrained(model, args.checkpoint)
+    if report.dropped_head and "num_classes" in kwargs:
+        _refuse_other_head(args.checkpoint, kwargs["num_classes"], report.file_classes)
     return model
+
+
+# NOTE [ Scoring the file's head ]
+# A weight file's classifier of another class count is left out when a model is fine-tuned
+# from it (the model keeps a fresh head). Evaluating, a fresh head is random: its accuracy is
+# noise, another on every call. So eval refuses --model-arg num_classes that is not the file's.
+
+
+def _refuse_other_head(path: str, asked: int, file_classes: Optional[int]) -> None:
+    theirs = f"{file_classes} classes" if file_classes is not None else "another class count"
+    raise ValueError(
+        f"--model-arg num_classes={asked}: {path} has a classifier of {theirs}, and eval "
+        "scores the file's own head (another would be random); drop --model-arg num_classes"
+    )
+
+
+def _file_classes(model: torch.nn.Module, path: str) -> Optional[int]:
+    """The class count of the classifier in the weight file at ``path`` when it is not
+    ``model``'s: a 2-D weight of ``model``'s head shape, (classes, features), whose rows
+    differ. None when the file's head fits (or the file has none)."""
+    state = read_state(path)
+    for key, own in model.state_dict().items():
+        theirs = state.get(key)
+        if (theirs is not None and own.dim() == 2 and theirs.dim() == 2
+                and own.shape[0] == model.num_classes and theirs.shape[1] == own.shape[1]
+                and theirs.shape[0] != own.shape[0]):
+            return int(theirs.shape[0])
+    return None
+
+
+def _check_named_model(asked: str, path: str, model: torch.nn.Module) -> None:
+    """Refuse a ``--model`` that is not the model the checkpoint at ``path`` names."""
+    name = getattr(model, "model_name", None)
+    source = (getattr(model, "model_kwargs", None) or {}).get("source")
+    wanted = converted_source(asked)
+    same = (source == wanted and name == converted_model_name(wanted, asked)) \
+        if wanted is not None else asked == name
+    if not same:
+        theirs = f"{name} of {source}" if source is not None else name
+        raise ValueError(
+            f"--model {asked} and --checkpoint {path} ({theirs}) name two models: drop --model "
+            "(a pareprop checkpoint names its model)"
+        )
 
 
 def build_converted(name: str, source: str, weight_file: Optional[str], kwargs: dict):
@@ -118,17 +170,27 @@ def build_converted(name: str, source: str, weight_file: Optional[str], kwargs: 
     its logits are the source's to the bit; with SOURCE's weights, from ``weight_file`` in its
     publisher's layout (read through the family's own filter) or, without one, its library's
     download (``--pretrained``), as ``pareprop train --convert-from`` starts from them."""
-    model_name = converted_model_name(source)  # raises, naming the families converted
+    model_name = converted_model_name(source, name)  # raises, naming the families converted
     if weight_file is not None:
-        return pareprop.create_model(model_name, source=source, pretrained_file=weight_file,
-                                     **kwargs)
+        model = pareprop.create_model(model_name, source=source, pretrained_file=weight_file,
+                                      **kwargs)
+        if "num_classes" in kwargs:  # NOTE [ Scoring the file's head ]
+            file_classes = _file_classes(model, weight_file)
+            if file_classes is not None:
+                _refuse_other_head(weight_file, kwargs["num_classes"], file_classes)
+        return model
     model = pareprop.create_model(model_name, source=source, **kwargs)
     try:
         load_timm_pretrained(model, source)
     except PretrainedError as e:
         # The loaders word their advice for pareprop train (--pretrained-file, --from-scratch):
         # keep their reason, give eval's.
-        reason = str(e).split("; offline")[0].split("; pass ")[0]
+        text = str(e).removeprefix(f"--convert-from {source}: ")  # train's flag, not eval's
+        if "; drop " in text:  # model arguments the weights do not fit: name them, no flags
+            reason = text.split(", or pass weights")[0]
+            raise PretrainedError(f"--model {name} --pretrained: {reason}, or pass weights of "
+                                  "this configuration with --checkpoint PATH") from None
+        reason = text.split("; offline")[0].split("; pass ")[0]
         raise PretrainedError(f"--model {name} --pretrained: {reason}; offline, pass a local "
                               f"copy of {source}'s weights with --checkpoint PATH") from None
     return model

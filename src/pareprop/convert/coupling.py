@@ -17,7 +17,10 @@ import torch.nn as nn
 
 from pareprop.engine import ReversibleStack, skip_scale_value
 
-__all__ = ["SCHEDULES", "CouplingSchedule", "check_coupling", "coupling_of", "set_coupling"]
+__all__ = [
+    "SCHEDULES", "CouplingSchedule", "check_coupling", "coupling_of", "coupling_pair",
+    "set_coupling",
+]
 
 SCHEDULES = ("linear", "cosine", "reversible")
 
@@ -31,8 +34,8 @@ def _coupled_blocks(model: nn.Module) -> List[Tuple[ReversibleStack, List[nn.Mod
                 found.append((m, blocks))
     if not found:
         raise ValueError(
-            "model has no blocks with a coupling to set; convert a timm ViT first "
-            "(pareprop.convert)"
+            f"{type(model).__name__} has no converted blocks, so no coupling to set: "
+            "build it with pareprop.convert(source) or create_model('converted_...')"
         )
     return found
 
@@ -54,6 +57,15 @@ def check_coupling(alpha: Any, beta: Any) -> Tuple[float, float]:
     if not (math.isfinite(alpha) and math.isfinite(beta) and beta >= 0):
         raise ValueError(f"expected finite alpha and beta >= 0, got ({alpha!r}, {beta!r})")
     return alpha, beta
+
+
+def coupling_pair(coupling: Any) -> Tuple[float, float]:
+    """A converted model's ``coupling`` keyword, ``(alpha, beta)``, as :func:`check_coupling`
+    accepts it; anything but two numbers is refused in one line."""
+    if isinstance(coupling, (str, bytes)) or not hasattr(coupling, "__len__") or \
+            len(coupling) != 2:
+        raise ValueError(f"expected coupling=[alpha, beta], two numbers, got {coupling!r}")
+    return check_coupling(*coupling)
 
 
 def set_coupling(model: nn.Module, alpha: float, beta: float) -> nn.Module:

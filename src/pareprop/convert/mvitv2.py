@@ -44,9 +44,10 @@ from timm.models.mvitv2 import (
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, drop_path_samples, sliced_dropouts
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -55,7 +56,7 @@ from pareprop.convert.source import (
     register_source_names,
 )
 from pareprop.convert.stages import CoupledRuns, pools_nothing
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -273,8 +274,54 @@ def converted_mvitv2(
     :func:`pareprop.set_coupling` records a new one here, so a checkpoint rebuilds the model at
     the coupling it was saved at. ``tolerance``: of the precision guard (None: no guard).
     """
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
     fields = {f.name for f in dataclasses.fields(MultiScaleVitCfg)}
     changes = {k: timm_kwargs.pop(k) for k in list(timm_kwargs) if k in fields}
+    given = {**timm_kwargs, **changes}
+    mvit = build_source(lambda: _build_mvitv2(source, changes, timm_kwargs), f"timm's {source}",
+                        given)
+    if "img_size" in timm_kwargs:
+        _check_runs_at_size(mvit, source, timm_kwargs["img_size"])
+    if pretrained_file is not None:
+        load_mvitv2_weights(mvit, pretrained_file)
+    model = convert(mvit, engine=engine, tolerance=tolerance)
+    if (alpha, beta) != (1.0, 0.0):
+        set_coupling(model, alpha, beta)
+    return model
+
+
+def _check_runs_at_size(mvit: MultiScaleVit, source: str, img_size: Any) -> None:
+    """Refuse an ``img_size`` timm's MViTv2 builds at but cannot run at.
+
+    timm sizes each stage's relative-position tables from ``img_size`` divided down by the
+    strides, while its pooling convolutions round up: at a size whose maps do not halve
+    evenly (63, or 40 with four stages) the first forward indexes past a table. One forward of
+    a single image, without a graph, at the size the model records, finds it when the model is
+    built rather than in the first training step; only when ``img_size`` was given."""
+    size = _img_size(mvit)
+    device = next(mvit.parameters()).device
+    if device.type == "meta":
+        return  # no values to index: planning builds on the meta device
+    training = mvit.training
+    try:
+        with torch.no_grad():
+            mvit.eval()(torch.zeros(1, mvit.patch_embed.proj.in_channels, *size, device=device))
+    except (IndexError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"timm's {source} builds at img_size={img_size!r} but cannot run at it ({first}): "
+            "give a size whose maps halve evenly at every stage (a multiple of 32, as 224)"
+        ) from None
+    finally:
+        mvit.train(training)
+
+
+def _build_mvitv2(source: str, changes: Dict[str, Any],
+                  timm_kwargs: Dict[str, Any]) -> MultiScaleVit:
+    """timm's ``source``, its configuration changed by ``changes`` (``MultiScaleVitCfg``'s
+    fields), built with ``timm_kwargs``."""
     if changes:
         arch = source.split(".")[0]
         if arch not in model_cfgs:
@@ -287,15 +334,8 @@ def converted_mvitv2(
             model_cfg=dataclasses.replace(model_cfgs[arch], **changes),
             pretrained_filter_fn=checkpoint_filter_fn,
             feature_cfg=dict(out_indices=4, feature_cls="getter"), **timm_kwargs)
-    else:
-        mvit = timm.create_model(source, **timm_kwargs)
-    if pretrained_file is not None:
-        load_mvitv2_weights(mvit, pretrained_file)
-    model = convert(mvit, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
-    if (alpha, beta) != (1.0, 0.0):
-        set_coupling(model, alpha, beta)
-    return model
+        return mvit
+    return timm.create_model(source, **timm_kwargs)
 
 
 register_source_names(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch.nn as nn
 
@@ -13,9 +13,9 @@ from pareprop.convert.precision_guard import PrecisionGuard
 from pareprop.engine import ENGINES
 
 __all__ = [
-    "NamedSource", "UnsupportedModelError", "convert", "converted_model_name",
+    "NamedSource", "UnsupportedModelError", "build_source", "convert", "converted_model_name",
     "converted_model_names", "converter_for", "converts", "keep_source_names",
-    "refuse_grad_checkpointing", "refuse_hooks", "register_source_names",
+    "refuse_grad_checkpointing", "refuse_hooks", "register_source_names", "set_clip_data",
 ]
 
 
@@ -83,6 +83,66 @@ def convert(
     return converted
 
 
+# NOTE [ Model arguments of a source ]
+# A converted model's keywords beyond its own (source, engine, coupling, ...) go to the source's
+# library: timm's create_model, torchvision's constructors. An argument the source does not take
+# is their TypeError, a value it cannot build with anything from an assertion to a RuntimeError
+# deep inside a layer. Either is the user's input, not a bug: :func:`build_source` says which
+# arguments, in one line (``pareprop train`` and ``eval`` print it and exit 2), as a registered
+# model refuses a field its config lacks.
+
+_BUILD_ERRORS = (TypeError, ValueError, AssertionError, RuntimeError, ZeroDivisionError,
+                 IndexError, KeyError)
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_source(build: Callable[[], M], what: str, kwargs: Dict[str, Any]) -> M:
+    """``build()``: the source ``what`` (e.g. "timm's vit_small_patch16_224") from the model
+    arguments ``kwargs``; whatever it raises for them becomes a one-line ValueError naming them
+    (NOTE [ Model arguments of a source ])."""
+    try:
+        return build()
+    except _BUILD_ERRORS as e:
+        first = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+        named = re.findall(r"unexpected keyword argument '(\w+)'", first)
+        if named:
+            raise ValueError(
+                f"{what} takes no model argument {named[0]!r} ({first}); drop it, or give one "
+                "its constructor takes"
+            ) from None
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "its defaults"
+        raise ValueError(f"cannot build {what} with {given}: {first}") from None
+
+
+def set_clip_data(model: nn.Module, frame_stride: Optional[int] = None,
+                  mean: Optional[Sequence[float]] = None,
+                  std: Optional[Sequence[float]] = None) -> None:
+    """Overrides of a converted video model's data config (``frame_stride``, ``mean``,
+    ``std``; None keeps the weights'), into its ``pretrained_cfg``, where the one video data
+    config reads them (NOTE [ One video data config ] in pareprop/video.py), as a registered
+    video model takes them. Checked here, when the model is built, not when its clips are
+    first drawn."""
+    cfg = model.pretrained_cfg
+    if frame_stride is not None:
+        if isinstance(frame_stride, bool) or not isinstance(frame_stride, int) or frame_stride < 1:
+            raise ValueError(
+                f"expected frame_stride an int >= 1 (clips take every frame_stride-th frame at "
+                f"30 fps), got {frame_stride!r}"
+            )
+        cfg["frame_stride"] = frame_stride
+    channels = int(cfg["input_size"][0])
+    for name, values in (("mean", mean), ("std", std)):
+        if values is None:
+            continue
+        ok = isinstance(values, (tuple, list)) and len(values) == channels and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if not ok or (name == "std" and min(values) <= 0):
+            raise ValueError(f"expected {name} with one number per channel ({channels})"
+                             f"{', each > 0' if name == 'std' else ''}, got {values!r}")
+        cfg[name] = tuple(float(v) for v in values)
+
+
 # NOTE [ Sources by name ]
 # ``pareprop train --convert-from NAME`` (and create_model("converted_...", source=NAME))
 # builds the source by its library's name. Each family registers its named converted model
@@ -112,13 +172,16 @@ def converted_model_names() -> Tuple[str, ...]:
     return tuple(dict.fromkeys(s.model_name for s in _NAMED_SOURCES))
 
 
-def converted_model_name(source: str) -> str:
-    """The registered converted model that builds the source named ``source``."""
+def converted_model_name(source: str, asked: Optional[str] = None) -> str:
+    """The registered converted model that builds the source named ``source``; ``asked``: how
+    the command named it, for the message (default ``--convert-from SOURCE``; plan and eval
+    say ``converted:SOURCE``)."""
     for named in _NAMED_SOURCES:
         if named.accepts(source):
             return named.model_name
     known = "; ".join(f"{s.library} {s.examples} ({s.model_name})" for s in _NAMED_SOURCES)
-    raise ValueError(f"--convert-from {source!r} names no model pareprop converts: {known}")
+    asked = asked or f"--convert-from {source!r}"
+    raise ValueError(f"{asked} names no model pareprop converts: {known}")
 
 
 def _hooks(module: nn.Module) -> List[str]:
@@ -161,13 +224,18 @@ def refuse_grad_checkpointing(model: nn.Module) -> None:
 # converted block holds the source's own modules under the source's attributes.
 
 
-def keep_source_names(model: nn.Module, renames: Sequence[Tuple[str, str]]) -> None:
-    """Give ``model``'s state dict the source's names: each (ours, source's) pair of dotted
-    name parts is swapped wherever ``ours`` starts a name or follows a dot, on save and back on
-    load."""
-    to_source = [(re.compile(r"(^|\.)" + re.escape(ours)), theirs) for ours, theirs in renames]
-    to_ours = [(re.compile(r"(^|\.)" + re.escape(theirs)), ours) for ours, theirs in renames]
+class _SourceNames:
+    """The two state-dict hooks of :func:`keep_source_names`, as objects of a module-level
+    class, not closures: a converted model pickles (``torch.save(model)``, ``pickle.dumps``,
+    spawned workers) and deep-copies with them."""
 
+    def __init__(self, renames: Sequence[Tuple[str, str]]):
+        self.to_source = [(re.compile(r"(^|\.)" + re.escape(ours)), theirs)
+                          for ours, theirs in renames]
+        self.to_ours = [(re.compile(r"(^|\.)" + re.escape(theirs)), ours)
+                        for ours, theirs in renames]
+
+    @staticmethod
     def rename(key: str, prefix: str, rules) -> str:
         rest = key[len(prefix):]
         for pattern, repl in rules:
@@ -176,19 +244,26 @@ def keep_source_names(model: nn.Module, renames: Sequence[Tuple[str, str]]) -> N
                 break
         return prefix + rest
 
-    def save(module, state_dict, prefix, local_metadata):
+    def save(self, module, state_dict, prefix, local_metadata):
         for key in list(state_dict):  # every key moves to the end, so the order is kept
             value = state_dict.pop(key)
-            state_dict[rename(key, prefix, to_source) if key.startswith(prefix) else key] = value
+            state_dict[self.rename(key, prefix, self.to_source)
+                       if key.startswith(prefix) else key] = value
         return state_dict
 
-    def load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+    def load(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
              error_msgs):
         for key in list(state_dict):
             value = state_dict.pop(key)
             ours = not key.startswith(prefix) or any(
-                p.search(key[len(prefix):]) for p, _ in to_source)  # ours already
-            state_dict[key if ours else rename(key, prefix, to_ours)] = value
+                p.search(key[len(prefix):]) for p, _ in self.to_source)  # ours already
+            state_dict[key if ours else self.rename(key, prefix, self.to_ours)] = value
 
-    model._register_state_dict_hook(save)
-    model._register_load_state_dict_pre_hook(load)
+
+def keep_source_names(model: nn.Module, renames: Sequence[Tuple[str, str]]) -> None:
+    """Give ``model``'s state dict the source's names: each (ours, source's) pair of dotted
+    name parts is swapped wherever ``ours`` starts a name or follows a dot, on save and back on
+    load."""
+    names = _SourceNames(renames)
+    model._register_state_dict_hook(names.save)
+    model._register_load_state_dict_pre_hook(names.load)

@@ -42,9 +42,10 @@ from pareprop.convert.block import (
     fused_attention_dropout,
     sliced_dropouts,
 )
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -52,7 +53,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
@@ -413,8 +414,8 @@ def load_swin_weights(model: nn.Module, path: str) -> None:
     load_source_weights(
         model, path, head=("head.fc.weight", "head.fc.bias"),
         checkpoint_filter=_FILTERS.get(type(model)),
-        hint="is it the weights of another Swin (give --convert-from the source it was trained "
-             "as, and its --model-arg sizes)?",
+        hint="is it the weights of another Swin (name the source it was trained as, and its "
+             "sizes as --model-arg)?",
     )
 
 
@@ -435,11 +436,14 @@ def converted_swin(
     here, so a checkpoint rebuilds the model at the coupling it was saved at.
     ``tolerance``: of the precision guard (None: no guard).
     """
-    swin = timm.create_model(source, **timm_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
+    swin = build_source(lambda: timm.create_model(source, **timm_kwargs), f"timm's {source}",
+                        timm_kwargs)
     if pretrained_file is not None:
         load_swin_weights(swin, pretrained_file)
     model = convert(swin, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model

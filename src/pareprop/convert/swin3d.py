@@ -27,14 +27,16 @@ import torch.nn as nn
 from torchvision.models.swin_transformer import PatchMerging
 from torchvision.models.video.swin_transformer import ShiftedWindowAttention3d, SwinTransformer3d
 
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
     refuse_grad_checkpointing,
     register_source_names,
+    set_clip_data,
 )
 from pareprop.convert.torchvision_swin_base import (
     ConvertedTorchvisionSwinBlock,
@@ -43,7 +45,7 @@ from pareprop.convert.torchvision_swin_base import (
     check_features,
     load_torchvision_pretrained,
 )
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_source_weights
 from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -164,6 +166,9 @@ def converted_swin3d(
     tolerance: Optional[float] = 1e-3,
     num_frames: int = 32,
     img_size: int = 224,
+    frame_stride: Optional[int] = None,
+    mean: Optional[Sequence[float]] = None,
+    std: Optional[Sequence[float]] = None,
     **torchvision_kwargs: Any,
 ) -> ConvertedSwin3d:
     """torchvision's ``source`` Video Swin (``swin3d_t``, ``swin3d_s``, ``swin3d_b``; sizes
@@ -174,19 +179,28 @@ def converted_swin3d(
     another class count is left out. ``coupling``: (alpha, beta) to start at (recorded by
     :func:`pareprop.set_coupling`, so a checkpoint rebuilds it there). ``tolerance``: of the
     precision guard (None: none). ``num_frames`` and ``img_size``: the clips it takes (its
-    ``pretrained_cfg``; torchvision's model itself takes any size).
+    ``pretrained_cfg``; torchvision's model itself takes any size). ``frame_stride``,
+    ``mean``, ``std``: the data its clips are sampled and normalised by (default the
+    weights': :func:`pareprop.convert.source.set_clip_data`).
     """
-    net = build_swin3d(source, **torchvision_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
+    for name, value in (("num_frames", num_frames), ("img_size", img_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
+    net = build_source(lambda: build_swin3d(source, **torchvision_kwargs),
+                       f"torchvision's {source}", torchvision_kwargs)
     if pretrained_file is not None:
         load_source_weights(
             net, pretrained_file, head=("head.weight", "head.bias"),
             hint=f"is it torchvision's {source} state dict (give --model-arg sizes of another)?")
     model = convert(net, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     model.pretrained_cfg.update(input_size=(model.in_chans, int(num_frames), int(img_size),
                                             int(img_size)), num_frames=int(num_frames))
+    set_clip_data(model, frame_stride, mean, std)
     return model
 
 

@@ -41,18 +41,20 @@ from torchvision.ops import StochasticDepth
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, sliced_dropouts, stochastic_depth_samples
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
     refuse_grad_checkpointing,
     refuse_hooks,
     register_source_names,
+    set_clip_data,
 )
 from pareprop.convert.stages import CoupledRuns, pools_nothing
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, register_model
 from pareprop.models.published import PretrainedError
@@ -352,6 +354,10 @@ def published_mvit(
     ``kwargs``: ``MViT``'s (``num_classes``, ``dropout``, ``stochastic_depth_prob``, ...)."""
     if source not in SOURCES:
         raise ValueError(f"expected source in {', '.join(SOURCES)}, got {source!r}")
+    if max_run is not None and (isinstance(max_run, bool) or not isinstance(max_run, int)
+                                or max_run < 1):
+        # 0 would cut every block that keeps its shape: no reversible stack would be left
+        raise ValueError(f"expected max_run to be a positive integer (or unset), got {max_run!r}")
     spatial_size = tuple(int(s) for s in spatial_size)
     if (spatial_size, temporal_size, embed_dim, max_run) == ((224, 224), 16, None, None):
         return torchvision.models.get_model(source, **kwargs)
@@ -392,6 +398,9 @@ def converted_tv_mvit(
     tolerance: Optional[float] = 1e-3,
     num_frames: Optional[int] = None,
     img_size: Optional[int] = None,
+    frame_stride: Optional[int] = None,
+    mean: Optional[Sequence[float]] = None,
+    std: Optional[Sequence[float]] = None,
     **tv_kwargs: Any,
 ) -> ConvertedMViT:
     """torchvision's ``source`` (``mvit_v1_b`` or ``mvit_v2_s``, random weights:
@@ -403,22 +412,32 @@ def converted_tv_mvit(
     ``coupling``, ``tolerance``: as :func:`pareprop.convert.vit.converted_vit`'s.
     ``num_frames`` and ``img_size``: the clips it takes (``T x img_size x img_size``), the
     names every video model shares (``pareprop plan --num-frames``, ``converted_swin3d``);
-    the same as ``temporal_size`` and ``spatial_size=(img_size, img_size)``.
+    the same as ``temporal_size`` and ``spatial_size=(img_size, img_size)``. ``frame_stride``,
+    ``mean``, ``std``: the data its clips are sampled and normalised by (default the
+    weights': :func:`pareprop.convert.source.set_clip_data`).
     """
     for ours, theirs, value in (("num_frames", "temporal_size", num_frames),
                                 ("img_size", "spatial_size", img_size)):
         if value is not None and theirs in tv_kwargs:
             raise ValueError(f"{ours} and {theirs} both set the clip's size: give one")
+    for name, value in (("num_frames", num_frames), ("img_size", img_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
     if num_frames is not None:
         tv_kwargs["temporal_size"] = int(num_frames)
     if img_size is not None:
         tv_kwargs["spatial_size"] = (int(img_size), int(img_size))
-    mvit = published_mvit(source, **tv_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
+    mvit = build_source(lambda: published_mvit(source, **tv_kwargs), f"torchvision's {source}",
+                        tv_kwargs)
     if pretrained_file is not None:
         load_torchvision_mvit_weights(mvit, pretrained_file)
     model = convert(mvit, engine=engine, tolerance=tolerance)
     model.source_architecture = model.pretrained_cfg["architecture"] = source
-    alpha, beta = (float(c) for c in coupling)
+    set_clip_data(model, frame_stride, mean, std)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model

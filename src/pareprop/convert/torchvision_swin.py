@@ -29,9 +29,10 @@ from torchvision.models.swin_transformer import (
     SwinTransformerBlockV2,
 )
 
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -39,7 +40,7 @@ from pareprop.convert.source import (
     register_source_names,
 )
 from pareprop.convert.torchvision_swin_base import TorchvisionSwinFeatures, check_features
-from pareprop.convert.weights import load_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_source_weights
 from pareprop.engine.recompute import maybe_checkpoint
 from pareprop.models import ReversibleModelMixin, register_model
 
@@ -222,13 +223,19 @@ def converted_tv_swin(
     precision guard (None: none). ``img_size``: the images it takes (its ``pretrained_cfg``;
     default the weights' crop, 224 for V1 and 256 for V2; torchvision's model takes any size).
     """
-    net = build_tv_swin(source, **torchvision_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
+    if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int)
+                                 or img_size < 1):
+        raise ValueError(f"expected img_size to be a positive integer, got {img_size!r}")
+    net = build_source(lambda: build_tv_swin(source, **torchvision_kwargs),
+                       f"torchvision's {source}", torchvision_kwargs)
     if pretrained_file is not None:
         load_source_weights(
             net, pretrained_file, head=("head.weight", "head.bias"),
             hint=f"is it torchvision's {source} state dict (give --model-arg sizes of another)?")
     model = convert(net, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     model.pretrained_cfg.update(weights_data_config(source, img_size))

@@ -35,9 +35,10 @@ from pareprop.convert.block import (
     fused_attention_dropout,
     sliced_dropouts,
 )
-from pareprop.convert.coupling import set_coupling
+from pareprop.convert.coupling import coupling_pair, set_coupling
 from pareprop.convert.source import (
     UnsupportedModelError,
+    build_source,
     convert,
     converts,
     keep_source_names,
@@ -45,7 +46,7 @@ from pareprop.convert.source import (
     refuse_hooks,
     register_source_names,
 )
-from pareprop.convert.weights import load_classifier_source_weights
+from pareprop.convert.weights import check_saved_coupling, load_classifier_source_weights
 from pareprop.engine import ReversibleStack
 from pareprop.models import ReversibleModelMixin, check_output_fmt, make_head, register_model
 
@@ -293,11 +294,14 @@ def converted_vit(
     here, so a checkpoint rebuilds the model at the coupling it was saved at.
     ``tolerance``: of the precision guard (None: no guard).
     """
-    vit = timm.create_model(source, **timm_kwargs)
+    alpha, beta = coupling_pair(coupling)  # refused before the source is built
+    if pretrained_file is not None:  # NOTE [ The coupling travels with the weights ]
+        check_saved_coupling(pretrained_file, (alpha, beta))
+    vit = build_source(lambda: timm.create_model(source, **timm_kwargs), f"timm's {source}",
+                       timm_kwargs)
     if pretrained_file is not None:
         load_timm_weights(vit, pretrained_file)
     model = convert(vit, engine=engine, tolerance=tolerance)
-    alpha, beta = (float(c) for c in coupling)
     if (alpha, beta) != (1.0, 0.0):
         set_coupling(model, alpha, beta)
     return model

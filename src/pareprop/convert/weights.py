@@ -11,15 +11,18 @@ so a file that does not fit leaves the model untouched.
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from pareprop.models.published import PretrainedError, read_state
 
-__all__ = ["load_classifier_source_weights", "load_source_weights", "load_state"]
+__all__ = ["check_saved_coupling", "load_classifier_source_weights", "load_source_weights",
+           "load_state", "saved_coupling"]
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -72,8 +75,8 @@ def load_classifier_source_weights(
         classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
     load_source_weights(
         model, path, (f"{classifier}.weight", f"{classifier}.bias"), checkpoint_filter,
-        hint=f"is it the weights of another {what} (give --convert-from the source it was "
-        "trained as, and its --model-arg sizes)?",
+        hint=f"is it the weights of another {what} (name the source it was trained as, and "
+        "its sizes as --model-arg)?",
     )
 
 
@@ -98,3 +101,60 @@ def load_state(model: nn.Module, state: StateDict, head: Sequence[str], where: s
             f"{where} does not fit {name}: {'; '.join(what)}" + (f"; {hint}" if hint else "")
         )
     model.load_state_dict(state, strict=False)
+
+
+# NOTE [ The coupling travels with the weights ]
+# A converted model's weights are trained at a coupling (alpha, beta): at another, the same
+# tensors compute another function (a model fine-tuned to (0, 1) and loaded at (1, 0) is a
+# different network, no longer the one trained). A pareprop checkpoint records the coupling in
+# model.json and, for a weight file copied out of it alone, in its safetensors header
+# ("coupling"). Loading such a file into a converted model at another coupling is refused,
+# naming both: build the model at the file's coupling (``coupling=[alpha, beta]``, ``pareprop
+# eval --model-arg``; ``pareprop.load_model`` rebuilds it so), or continue the file's run with
+# ``pareprop train --resume``. A file that records none (a source's own weights, a checkpoint
+# of another model) is the source's network, at (1, 0), and is not checked.
+
+
+def saved_coupling(path: "str | os.PathLike[str]") -> Optional[Tuple[float, float]]:
+    """The coupling recorded in the safetensors header of the weight file at ``path`` (or of
+    ``model.safetensors`` in the checkpoint directory, or the run directory's ``last``), or
+    None when it records none."""
+    path = os.fspath(path)
+    files = ([os.path.join(path, "model.safetensors"),
+              os.path.join(path, "last", "model.safetensors")] if os.path.isdir(path) else [path])
+    for file in files:
+        if not os.path.isfile(file):
+            continue
+        try:
+            from safetensors import safe_open
+
+            with safe_open(file, "pt") as f:
+                text = (f.metadata() or {}).get("coupling")
+        except Exception:  # noqa: BLE001 - not a safetensors file: records nothing
+            return None
+        if text is None:
+            return None
+        try:
+            alpha, beta = (float(v) for v in json.loads(text))
+        except (TypeError, ValueError):
+            return None
+        return (alpha, beta) if math.isfinite(alpha) and math.isfinite(beta) else None
+    return None
+
+
+def check_saved_coupling(path: "str | os.PathLike[str]", coupling: Tuple[float, float]) -> None:
+    """Refuse the weights at ``path`` for a model at ``coupling`` when they were saved at
+    another (NOTE [ The coupling travels with the weights ]).
+
+    Raises:
+        PretrainedError: naming both couplings and what to do.
+    """
+    saved = saved_coupling(path)
+    now = tuple(float(c) for c in coupling)
+    if saved is not None and saved != now:
+        raise PretrainedError(
+            f"{os.fspath(path)!r} holds weights saved at coupling (alpha, beta) = {saved}, and "
+            f"the model is at {now}, where they compute another function: build it at the "
+            f"file's coupling (coupling=[{saved[0]}, {saved[1]}]), or continue their run with "
+            "pareprop train --resume"
+        )

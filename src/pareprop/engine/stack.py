@@ -225,6 +225,8 @@ class ReversibleStack(nn.Module):
     def forward(self, x1: Tensor, x2: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         _check_streams(x1, x2)
         _check_constants(kwargs)
+        if self.sharding is None:  # a sharded block's hooks are FSDP's, and its call runs them
+            _refuse_block_hooks(self.blocks)
         x1, x2 = _full_precision_streams(x1, x2, self.blocks)
         if (self._cuda_graphs is not None and self.training and torch.is_grad_enabled()
                 and self.probe is None):  # the memory dial measures blocks eagerly
@@ -362,6 +364,31 @@ def _full_precision_streams(
         if weight is None or weight.dtype not in _LOW_PRECISION:
             return x1.float(), x2.float()
     return x1, x2
+
+
+# NOTE [ Hooks on a reversible block ]
+# The engines call a block's coupling (F and G), never its ``forward`` through ``__call__``: in
+# forward, in recomputation and in backward alike. A module hook on the block itself would
+# never fire, so it is refused at the stack's next forward (a registration cannot be refused:
+# FSDP2 hooks the blocks it shards). Hooks on the block's submodules (attention, MLP, norms)
+# and on the stack run as on any module.
+
+_HOOK_KINDS = (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
+               ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks"))
+
+
+def _refuse_block_hooks(blocks: Sequence[nn.Module]) -> None:
+    """NOTE [ Hooks on a reversible block ]."""
+    for index, block in enumerate(blocks):
+        kinds = [kind for kind, attr in _HOOK_KINDS if getattr(block, attr, None)]
+        if kinds:
+            parts = ", ".join(name for name, _ in block.named_children()) or "none"
+            raise RuntimeError(
+                f"block {index} of a reversible stack ({type(block).__name__}) has "
+                f"{', '.join(kinds)} hook(s): the engines run its F and G, never its forward, "
+                "so they would not fire. Remove them (handle.remove()), or register them on "
+                f"its submodules ({parts}) or on the stack, which do run"
+            )
 
 
 def _check_constants(kwargs: Dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ NOTE [ Planning under FakeTensorMode ]
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +36,7 @@ from pareprop.catalog import (
     build_model,
     engines_for,
     example_inputs,
+    is_converted,
     model_facts,
     model_source,
 )
@@ -101,8 +103,21 @@ class _planning_values(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# NOTE [ The precision guard in a plan ]
+#     A converted model's precision guard (pareprop/convert/precision_guard.py) measures the
+#     rebuild error of each block on the training batch: values a fake tensor does not have.
+#     What it stores is planned without running it: at beta = 0 every block (the coupling
+#     cannot be inverted; the model stores them itself, guard or not), at beta > 0 none, which
+#     is what the guard stores while rebuilding is exact enough (the drift report says where it
+#     is; a stored block adds one block's activations to the plan's peak). So a converted model
+#     is planned without a guard (``tolerance=None``), whatever tolerance it was asked for.
+
+
 def _fake_model(request: ModelRequest, fake_mode: Any) -> Tuple[nn.Module, ModelFacts]:
     facts = model_facts(request.model)
+    if is_converted(request.model):  # NOTE [ The precision guard in a plan ]
+        request = dataclasses.replace(request, overrides={**request.overrides,
+                                                          "tolerance": None})
     with torch.device("meta"), _cpu_linspace():
         model = build_model(request, facts)
     with fake_mode:

@@ -36,11 +36,14 @@ from pareprop.convert import (
     converted_model_name,
     converted_model_names,
 )
+from pareprop.convert.weights import saved_coupling
 from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pretrained
 
 __all__ = [
     "apply_convert_options",
+    "check_start_coupling",
     "make_coupling_schedule",
+    "start_coupling",
     "load_initial_weights",
     "load_timm_pretrained",
     "create_finetune_optimizer",
@@ -67,8 +70,24 @@ def apply_convert_options(cfg: Any) -> None:
     if cfg.from_scratch and (cfg.pretrained or cfg.pretrained_file is not None):
         start = "--pretrained" if cfg.pretrained else f"--pretrained-file {cfg.pretrained_file}"
         raise ValueError(f"--from-scratch and {start} contradict each other: give one")
+    engine = (cfg.model_kwargs or {}).get("engine")
+    if engine is not None and engine != cfg.engine and cfg.resume is None:
+        # The trainer builds the model with --engine: a model argument would be overridden.
+        raise ValueError(
+            f"--model-arg engine={engine} and --engine {cfg.engine} contradict each other: "
+            f"give --engine {engine}"
+        )
+    converts = cfg.convert_from is not None or cfg.model in converted_model_names()
+    if converts and "coupling" in (cfg.model_kwargs or {}) and cfg.resume is None:
+        raise ValueError(
+            f"--model-arg coupling={cfg.model_kwargs['coupling']} would be overridden: the "
+            "coupling schedule sets the coupling from the first step; choose it with "
+            "--coupling-schedule (reversible: (0, 1) throughout) and --coupling-steps"
+        )
     if cfg.convert_from is None:
-        if cfg.coupling_steps is not None:
+        # A resumed run restores --convert-from from its checkpoint, and the run's own
+        # comparison (equal accepted, different refused) judges --coupling-steps then.
+        if cfg.coupling_steps is not None and cfg.resume is None:
             raise ValueError(
                 f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
                 "this run converts nothing: add --convert-from NAME, or drop --coupling-steps"
@@ -96,6 +115,10 @@ def apply_convert_options(cfg: Any) -> None:
     if pretrained is not None:
         if not isinstance(pretrained, bool):
             raise ValueError(f"expected --model-arg pretrained=true or false, got {pretrained!r}")
+        if pretrained and cfg.from_scratch:
+            raise ValueError(
+                "--model-arg pretrained=true and --from-scratch contradict each other: give one"
+            )
         if not pretrained and cfg.pretrained_file is not None:
             raise ValueError(
                 f"--model-arg pretrained=false and --pretrained-file {cfg.pretrained_file} "
@@ -103,9 +126,33 @@ def apply_convert_options(cfg: Any) -> None:
             )
         cfg.from_scratch = cfg.from_scratch or not pretrained
     kwargs["source"] = cfg.convert_from
-    if cfg.pretrained_file is not None:
+    if cfg.pretrained_file is not None and cfg.resume is None:
+        check_start_coupling(cfg, cfg.pretrained_file)
+    # A pareprop checkpoint directory is loaded by load_initial_weights once the model is
+    # built (load_pretrained reads it, verified); a file is the source's, read by its family.
+    if cfg.pretrained_file is not None and not os.path.isdir(cfg.pretrained_file):
         kwargs["pretrained_file"] = cfg.pretrained_file
     cfg.model, cfg.model_kwargs = converted, kwargs
+
+
+def start_coupling(cfg: Any) -> Tuple[float, float]:
+    """The coupling a new run's schedule starts at: (0, 1) for ``reversible``, else (1, 0)."""
+    return (0.0, 1.0) if cfg.coupling_schedule == "reversible" else (1.0, 0.0)
+
+
+def check_start_coupling(cfg: Any, path: str) -> None:
+    """Refuse initial weights saved at another coupling than the run starts at (NOTE [ The
+    coupling travels with the weights ] in pareprop/convert/weights.py), in the run's words."""
+    saved, start = saved_coupling(path), start_coupling(cfg)
+    if saved is None or saved == start:
+        return
+    other = "; or start at (0, 1) with --coupling-schedule reversible" \
+        if saved == (0.0, 1.0) else ""
+    raise ValueError(
+        f"--pretrained-file {path} holds weights trained at coupling (alpha, beta) = {saved}, "
+        f"and --coupling-schedule {cfg.coupling_schedule} starts at {start}, where they "
+        f"compute another function: continue their run with --resume{other}"
+    )
 
 
 def make_coupling_schedule(cfg: Any, model: nn.Module,

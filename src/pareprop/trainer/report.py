@@ -91,7 +91,11 @@ class RunReport:
             f.write(json.dumps(record) + "\n")
 
     def _interrupted(self) -> str:
-        where = f"interrupted in epoch {self.epoch + 1} after {self.step} step(s)"
+        if self.saved_epoch < self.epoch:  # stopped between an epoch's end and its checkpoint
+            where = (f"interrupted after epoch {self.epoch} ({self.step} step(s)), before its "
+                     "checkpoint was written")
+        else:
+            where = f"interrupted in epoch {self.epoch + 1} after {self.step} step(s)"
         if not self.last_checkpoint:
             return f"{where}; no checkpoint was written yet"
         return (

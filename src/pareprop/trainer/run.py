@@ -55,6 +55,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         self._setup_processes()
         self._setup_optimizer()
         self.epoch, self.step = 0, 0
+        self.saved_epoch = 0  # the epoch of the last checkpoint written (or resumed from)
         self.best = {"val_acc": -1.0, "epoch": 0}
         self.step_losses: List[float] = []
         self.last_checkpoint: Optional[str] = None

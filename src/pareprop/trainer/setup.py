@@ -15,6 +15,7 @@ NOTE [ Batch size ]
 from __future__ import annotations
 
 import math
+import os
 import random
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Subset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
+from pareprop.convert import converted_model_names
 from pareprop.data import (
     build_datasets,
     epoch_sampler,
@@ -42,6 +44,7 @@ from pareprop.trainer.finetune import (
     load_initial_weights,
     load_timm_pretrained,
     make_coupling_schedule,
+    start_coupling,
 )
 
 
@@ -142,6 +145,11 @@ class RunSetup:
         else:
             name, kwargs = cfg.model, dict(cfg.model_kwargs)
         kwargs["engine"] = cfg.engine
+        if resume is None and name in converted_model_names() and \
+                start_coupling(cfg) != (1.0, 0.0):
+            # Built where its schedule starts, so initial weights are checked against that
+            # coupling (NOTE [ The coupling travels with the weights ]).
+            kwargs["coupling"] = list(start_coupling(cfg))
         _seed(cfg.seed)
         model = create_model(name, **kwargs)
         input_size = tuple(model.pretrained_cfg["input_size"])
@@ -170,6 +178,9 @@ class RunSetup:
             ckpt_lib.load_weights(model, resume)
         elif cfg.convert_from is None and (cfg.pretrained or cfg.pretrained_file):
             load_initial_weights(model, cfg.pretrained_file, name)
+        elif cfg.convert_from is not None and cfg.pretrained_file is not None and \
+                os.path.isdir(cfg.pretrained_file):  # a pareprop checkpoint of a converted run
+            load_initial_weights(model, cfg.pretrained_file)
         elif cfg.convert_from is not None and cfg.pretrained_file is None and not cfg.from_scratch:
             load_timm_pretrained(model, cfg.convert_from)
         return model

@@ -51,6 +51,7 @@ class TrainState:
             )
         self._load_optimizer_state(ck)
         self.epoch, self.step = int(st["epoch"]), int(st["step"])
+        self.saved_epoch = self.epoch
         self._load_schedule(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         if self.coupling is not None and "coupling" in st:
@@ -160,5 +161,7 @@ class TrainState:
                        "data_config": self.data.data_config},
                 state_dict=weights,
             )
+            self.saved_epoch = self.epoch  # with last_checkpoint, for an interruption's message
         dist_lib.barrier(self.dist)
+        self.saved_epoch = self.epoch
 
