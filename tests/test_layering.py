@@ -65,6 +65,7 @@ ENGINE_ORDER: List[str] = [
     "pareprop.engine.chunk_cost",  # how many chunks a branch runs in, and what a chunk costs
     "pareprop.engine.block",  # ReversibleBlock, the skip scale
     "pareprop.engine.fallback",  # PaReprop's fallback to Reprop when it measures slower
+    "pareprop.engine.sharding",  # what the engine asks of a sharded stack (BlockSharding)
     "pareprop.engine.replay",  # state captured in forward, replayed in recomputation
     "pareprop.engine.plan",  # what forward leaves for backward
     "pareprop.engine.forward",  # the coupling, every call of F and G checked

@@ -94,9 +94,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from pareprop.engine import ReversibleBlock, ReversibleStack
+from pareprop.engine import BlockSharding, ReversibleBlock, ReversibleStack
 
-__all__ = ["shard", "fsdp_available", "is_wrapper"]
+__all__ = ["shard", "fsdp_available", "is_sharded", "is_wrapper"]
 
 # Norm layers stay with their parent's unit: a unit per LayerNorm costs a collective for a few
 # hundred numbers.
@@ -131,6 +131,15 @@ def is_wrapper(m: nn.Module) -> bool:
         pass
     # FSDP2 (fully_shard) turns modules into subclasses named FSDP<Class>.
     return type(m).__name__.startswith("FSDP") and type(m).__name__ != "FSDPModule"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True if ``model`` is an FSDP2 module (``fully_shard`` / :func:`shard` applied)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def _fully_shard():
@@ -213,8 +222,9 @@ def _post_backward(block: nn.Module) -> bool:
 ENABLE_EARLY_REDUCE = True
 
 
-class _BlockSharding:
-    """What a sharded :class:`ReversibleStack`'s engine asks of FSDP, block by block."""
+class _BlockSharding(BlockSharding):
+    """What a sharded :class:`ReversibleStack`'s engine asks of FSDP, block by block (the
+    engine's :class:`~pareprop.engine.BlockSharding`)."""
 
     def __init__(self, blocks: List[nn.Module], reshard_after_forward: bool):
         self.blocks = blocks

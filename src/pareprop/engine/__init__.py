@@ -34,6 +34,7 @@ package, one concern a module, each importing only those above it here:
 
 from pareprop.engine.block import ReversibleBlock, skip_scale, skip_scale_value
 from pareprop.engine.lanes import MAIN_LANE, SIDE_LANE, current_lane
+from pareprop.engine.sharding import BlockSharding
 from pareprop.engine.stack import (
     ENGINES,
     ReversibleStack,
@@ -60,4 +61,5 @@ __all__ = [
     "current_lane",
     "MAIN_LANE",
     "SIDE_LANE",
+    "BlockSharding",
 ]

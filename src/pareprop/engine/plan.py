@@ -24,6 +24,7 @@ from pareprop.engine.replay import (
     _ModeState,
     _RngState,
 )
+from pareprop.engine.sharding import BlockSharding
 
 Tensor = torch.Tensor
 
@@ -72,7 +73,7 @@ class _Plan:
     # FSDP2: gathers each block around its forward and recomputation and hands its parameter
     # gradients to FSDP; None when the stack is not sharded (NOTE [ FSDP2 and reversible blocks ]
     # in distributed/fsdp.py). A sharded stack's block_params are filled in forward, per block.
-    sharding: Optional[Any] = None
+    sharding: Optional[BlockSharding] = None
     # Chunked backward of the recomputed blocks (NOTE [ Chunked backward ] in chunked.py); None:
     # whole branches.
     chunking: Optional[Chunking] = None

@@ -20,6 +20,7 @@ from pareprop.engine.function import _ReversibleFunction
 from pareprop.engine.graphs import _StackGraphs, check_capturable
 from pareprop.engine.plan import _block_params, _ParamLocation, _Plan
 from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendState, _KeywordVersions
+from pareprop.engine.sharding import BlockSharding
 
 ENGINES = ("autograd", "reversible", "pareprop")
 
@@ -98,9 +99,9 @@ class ReversibleStack(nn.Module):
         # Called around each stored block's forward (block index, its X1) -> a context; set
         # only while pareprop.memory.budget measures blocks.
         self.probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
-        # Set by pareprop.distributed.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
-        # reversible blocks ] in pareprop/distributed/fsdp.py); None: the stack is not sharded.
-        self.sharding: Optional[Any] = None
+        # Set by pareprop.distributed.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
+        # reversible blocks ] in distributed/fsdp.py); None: the stack is not sharded.
+        self.sharding: Optional[BlockSharding] = None
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
