@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Subset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
+from pareprop.convert.timm_pretrained import load_timm_pretrained
 from pareprop.data import build_datasets, epoch_sampler, model_data_config
 from pareprop.distributed.fsdp import fsdp_available
 from pareprop.engine import ENGINES, set_chunking
@@ -34,7 +35,6 @@ from pareprop.models import create_model
 from pareprop.trainer.finetune import (
     create_finetune_optimizer,
     load_initial_weights,
-    load_timm_pretrained,
     make_coupling_schedule,
 )
 from pareprop.video import is_video_model, video_data_config
