@@ -25,7 +25,7 @@ from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 
 from pareprop.data import eval_transform, model_data_config
-from pareprop.engine import ReversibleStack, set_engine
+from pareprop.engine import engine_of, set_stack_engine
 from pareprop.video import evaluate_video, is_video_model
 
 __all__ = ["evaluate", "eval_loader"]
@@ -81,13 +81,13 @@ def evaluate(
     if amp not in ("none", "bf16"):
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     if engine is not None:
-        set_engine(model, engine)
+        set_stack_engine(model, engine)
     if limit is not None and limit < 1:
         raise ValueError(f"expected limit >= 1 (or none for every image), got {limit}")
     if is_video_model(model):  # clips: 5 views per video, averaged (pareprop.video)
         result = evaluate_video(model, data_dir, batch_size=batch_size, workers=workers,
                                 amp=amp, device=device, progress=progress, limit=limit)
-        return {**result, "engine": _engine_of(model)}
+        return {**result, "engine": engine_of(model)}
     loader = eval_loader(model, data_dir, batch_size, workers, data_config)
     classes = len(loader.dataset.classes)
     num_classes = getattr(model, "num_classes", None)
@@ -130,15 +130,9 @@ def evaluate(
         "top5": 100.0 * correct5 / seen,
         "images": seen,
         "classes": classes,
-        "engine": _engine_of(model),
+        "engine": engine_of(model),
         "amp": amp,
         "seconds": time.perf_counter() - start,
         "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
     }
 
-
-def _engine_of(model: nn.Module) -> Optional[str]:
-    for m in model.modules():
-        if isinstance(m, ReversibleStack):
-            return m.engine
-    return None

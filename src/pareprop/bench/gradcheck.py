@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.engine import set_engine
+from pareprop.engine import set_stack_engine
 from pareprop.testing import engine_errors
 
 __all__ = ["grad_rel_err"]
@@ -20,5 +20,5 @@ def grad_rel_err(
     (:func:`pareprop.testing.engine_errors`). The model is left on ``engine``."""
     # Float32: gradients that are zero by construction are rounding noise (see noise_floor).
     errors = engine_errors(model, inputs, engines=(engine,), seed=seed, noise_floor=1e-4)[engine]
-    set_engine(model, engine)
+    set_stack_engine(model, engine)
     return float(max(errors.values()))

@@ -39,7 +39,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from pareprop.distributed.fsdp import is_sharded, is_wrapper
-from pareprop.engine import ReversibleStack
+from pareprop.engine import stacks_of
 
 __all__ = ["no_sync", "wrap_ddp", "check_wrapping"]
 
@@ -69,9 +69,7 @@ def check_wrapping(model: nn.Module) -> None:
 
     See NOTE [ Reversible engines under DDP ] for why such a model cannot train.
     """
-    for name, stack in model.named_modules():
-        if not isinstance(stack, ReversibleStack):
-            continue
+    for name, stack in stacks_of(model):
         # Blocks sharded by pareprop.distributed.fsdp.shard are gathered by the engine itself (NOTE
         # [ FSDP2 and reversible blocks ] in distributed/fsdp.py); any other wrapper is bypassed.
         sharded = {id(b) for b in stack.blocks} if stack.sharding is not None else set()
@@ -115,9 +113,7 @@ def wrap_ddp(
     if is_wrapper(model):
         raise ValueError(f"the model is already wrapped in {type(model).__name__}; wrap it once")
     check_wrapping(model)
-    reversible = any(
-        isinstance(m, ReversibleStack) and m.engine != "autograd" for m in model.modules()
-    )
+    reversible = any(m.engine != "autograd" for _, m in stacks_of(model))
     if reversible and ddp_kwargs.get("find_unused_parameters"):
         raise ValueError(
             "find_unused_parameters=True is not needed with the reversible engines: every "

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from pareprop.engine import BlockSharding, ReversibleBlock, ReversibleStack
+from pareprop.engine import BlockSharding, ReversibleBlock, ReversibleStack, stacks_of
 
 __all__ = ["shard", "fsdp_available", "is_sharded", "is_wrapper"]
 
@@ -287,7 +287,7 @@ def _units(module: nn.Module, methods_gather: bool = True) -> List[nn.Module]:
     for child in module.children():
         if isinstance(child, ReversibleStack):
             continue
-        holds_stack = any(isinstance(m, ReversibleStack) for m in child.modules())
+        holds_stack = bool(stacks_of(child))
         if holds_stack or isinstance(child, _CONTAINERS):
             units += _units(child, methods_gather)
         elif (
@@ -336,7 +336,7 @@ def shard(
         kwargs["mesh"] = mesh
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for stack in [m for m in model.modules() if isinstance(m, ReversibleStack)]:
+    for _, stack in stacks_of(model):
         blocks = list(stack.blocks)
         for block in blocks:
             if not isinstance(block, ReversibleBlock):

@@ -28,7 +28,7 @@ package, one concern a module, each importing only those above it here:
 * ``schedules``: Reprop's and PaReprop's order of recover and grads;
 * ``function``: the autograd Function of a stack;
 * ``graphs``: a stack's training forward and backward captured as CUDA graphs and replayed
-  (``set_engine(..., cuda_graphs=True)``, for host-bound small batches);
+  (``set_stack_engine(..., cuda_graphs=True)``, for host-bound small batches);
 * ``stack``: :class:`ReversibleStack` and the functions that configure every stack of a model.
 """
 
@@ -40,17 +40,21 @@ from pareprop.engine.stack import (
     ReversibleStack,
     chosen_schedule,
     debug_reconstruction,
+    engine_of,
     schedule_reasons,
     set_block_checkpointing,
     set_chunking,
-    set_engine,
+    set_stack_engine,
+    stacks_of,
 )
 
 __all__ = [
     "ENGINES",
     "ReversibleBlock",
     "ReversibleStack",
-    "set_engine",
+    "set_stack_engine",
+    "stacks_of",
+    "engine_of",
     "set_chunking",
     "set_block_checkpointing",
     "debug_reconstruction",

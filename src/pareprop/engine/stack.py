@@ -374,7 +374,20 @@ def _check_constants(kwargs: Dict[str, Any]) -> None:
             )
 
 
-def set_engine(
+def stacks_of(module: nn.Module) -> List[Tuple[str, ReversibleStack]]:
+    """Every :class:`ReversibleStack` inside ``module`` (``module`` itself included), with its
+    path, in module order: the one scan every model-wide setter and report goes through."""
+    return [(path, m) for path, m in module.named_modules() if isinstance(m, ReversibleStack)]
+
+
+def engine_of(module: nn.Module) -> Optional[str]:
+    """The engine the reversible stacks inside ``module`` run, when they share one; None for a
+    module without a stack, or whose stacks run different engines."""
+    engines = {m.engine for _, m in stacks_of(module)}
+    return engines.pop() if len(engines) == 1 else None
+
+
+def set_stack_engine(
     module: nn.Module, name: str, fallback: Optional[bool] = None,
     cuda_graphs: Optional[bool] = None,
 ) -> nn.Module:
@@ -399,7 +412,7 @@ def set_engine(
         raise TypeError(f"fallback must be True, False or None, got {fallback!r}")
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
-    stacks = [(path, m) for path, m in module.named_modules() if isinstance(m, ReversibleStack)]
+    stacks = stacks_of(module)
     for path, m in stacks:  # checked before any stack changes
         if cuda_graphs or (cuda_graphs is None and m.cuda_graphs):
             _check_fallback(True, fallback)
@@ -437,8 +450,8 @@ def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
     """For each stack under engine ``"pareprop"`` inside ``module`` (by its path): what it runs
     in backward (as :func:`chosen_schedule` says) and why, in a line."""
     reasons = {}
-    for path, m in module.named_modules():
-        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
+    for path, m in stacks_of(module):
+        if m.engine == "pareprop":
             if m.chunking is not None:
                 reasons[path] = ("reversible", "chunked branches run Reprop's schedule: chunking "
                                  "is for memory, PaReprop for idle device time (NOTE [ Chunking "
@@ -474,9 +487,8 @@ def set_block_checkpointing(module: nn.Module, enable: bool = True) -> nn.Module
     inside ``module`` in ``torch.utils.checkpoint`` (non-reentrant), as timm's
     ``set_grad_checkpointing()`` does for its blocks; see NOTE [ Checkpointed blocks: the
     competitor ]. Returns ``module``."""
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.checkpoint_blocks = bool(enable)
+    for _, m in stacks_of(module):
+        m.checkpoint_blocks = bool(enable)
     return module
 
 
@@ -489,12 +501,10 @@ def set_chunking(
     ``module``."""
     # Checked once, before any stack changes.
     if parse_chunking(chunks, max_bytes) is not None:
-        for path, m in module.named_modules():
-            if isinstance(m, ReversibleStack):
-                _check_splits(m, path)
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.set_chunking(chunks=chunks, max_bytes=max_bytes)
+        for path, m in stacks_of(module):
+            _check_splits(m, path)
+    for _, m in stacks_of(module):
+        m.set_chunking(chunks=chunks, max_bytes=max_bytes)
     return module
 
 
@@ -515,7 +525,6 @@ def _check_splits(stack: ReversibleStack, path: str = "") -> None:
 
 def debug_reconstruction(module: nn.Module, tolerance: float = 1e-3) -> nn.Module:
     """Arm :meth:`ReversibleStack.debug_reconstruction` on every stack inside ``module``."""
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.debug_reconstruction(tolerance)
+    for _, m in stacks_of(module):
+        m.debug_reconstruction(tolerance)
     return module

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pareprop import engine as engine_lib
-from pareprop.engine import ReversibleStack
+from pareprop.engine import stacks_of
 from pareprop.memory.saved import activation_bytes, is_parameter, storage_key
 from pareprop.memory.units import parse_memory
 
@@ -135,10 +135,6 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _stacks(model: nn.Module) -> List[Tuple[str, ReversibleStack]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ReversibleStack)]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -147,7 +143,7 @@ def _sync(device: torch.device) -> None:
 @contextlib.contextmanager
 def _settings(model: nn.Module, engines: Dict[str, str], stored: Dict[str, Sequence[int]]):
     """Run with the given engines and stored blocks; put the model's own back afterwards."""
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     before = [(s.engine, s.stored_blocks) for _, s in stacks]
     was_training = model.training
     try:
@@ -171,7 +167,7 @@ def _measure_blocks(
 ) -> Tuple[List[BlockCost], int]:
     """Every block stored: its kept bytes (storages first saved while it runs), its first
     input's bytes, and its cost (median seconds over ``repeats`` forwards, or FLOPs)."""
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     current: List[Optional[Tuple[str, int]]] = [None]
     owner: Dict[Tuple[str, int], Tuple[str, int]] = {}
     sizes: Dict[Tuple[str, int], int] = {}
@@ -325,7 +321,7 @@ def set_memory_budget(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     kind, value = parse_budget(budget)
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     if not stacks:
         raise ValueError(
             f"{type(model).__name__} has no ReversibleStack: a memory budget chooses which "
@@ -410,13 +406,13 @@ def set_memory_budget(
 def stored_blocks(model: nn.Module) -> Dict[str, List[int]]:
     """``{stack path: stored block indices}`` of the stacks that store any block (JSON-ready:
     checkpoints record it, so a resumed run stores the same blocks without measuring again)."""
-    return {n: list(s.stored_blocks) for n, s in _stacks(model) if s.stored_blocks}
+    return {n: list(s.stored_blocks) for n, s in stacks_of(model) if s.stored_blocks}
 
 
 def apply_stored_blocks(model: nn.Module, stored: Dict[str, Sequence[int]]) -> nn.Module:
     """Store exactly the blocks named in ``stored`` (as :func:`stored_blocks` gives them);
     every other block is recomputed."""
-    stacks = dict(_stacks(model))
+    stacks = dict(stacks_of(model))
     unknown = sorted(set(stored) - set(stacks))
     if unknown:
         raise ValueError(
@@ -437,7 +433,8 @@ def set_engine(
     cuda_graphs: Optional[bool] = None,
 ) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``
-    (:func:`pareprop.engine.set_engine`), or let a memory budget choose: ``pareprop.set_engine``.
+    (:func:`pareprop.engine.set_stack_engine`), or let a memory budget choose:
+    ``pareprop.set_engine``.
 
     ``fallback=False`` makes engine ``"pareprop"`` always run PaReprop instead of keeping Reprop
     where it measures faster (:func:`pareprop.chosen_schedule`).
@@ -461,13 +458,13 @@ def set_engine(
     if name != "auto":
         if memory_budget is not None:
             raise ValueError(f"memory_budget= goes with engine='auto', not {name!r}")
-        return engine_lib.set_engine(module, name, fallback, cuda_graphs)
+        return engine_lib.set_stack_engine(module, name, fallback, cuda_graphs)
     if memory_budget is None or example_inputs is None:
         raise ValueError(
             "engine='auto' needs memory_budget= (bytes, '12GiB' or a fraction from 0 to 1) "
             "and example_inputs= (a batch to measure the blocks on)"
         )
-    stacks = [m for m in module.modules() if isinstance(m, ReversibleStack)]
+    stacks = [m for _, m in stacks_of(module)]
     # The dial measures blocks with eager steps: graphs off while it does, then as asked.
     graphs = cuda_graphs if cuda_graphs is not None else any(m.cuda_graphs for m in stacks)
     for m in stacks:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
+from pareprop.engine import set_block_checkpointing, set_stack_engine, stacks_of
 from pareprop.engine.chunk_cost import measuring
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -46,10 +46,10 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
     each block checkpointed, :func:`pareprop.engine.set_block_checkpointing`)."""
     if engine is None or engine == "plain":
         return
-    stacks = any(isinstance(m, ReversibleStack) for m in model.modules())
+    stacks = bool(stacks_of(model))
     if engine == "checkpointed":
         if stacks:
-            set_engine(model, "autograd")
+            set_stack_engine(model, "autograd")
             set_block_checkpointing(model, True)
         if hasattr(model, "set_grad_checkpointing"):  # timm's blocks, or the transitions
             model.set_grad_checkpointing(True)
@@ -58,7 +58,7 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
                              f"{type(model).__name__} has none")
         return
     set_block_checkpointing(model, False)
-    set_engine(model, engine)
+    set_stack_engine(model, engine)
 
 
 # NOTE [ Counting storages ]

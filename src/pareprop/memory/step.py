@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pareprop import catalog
-from pareprop.engine import ReversibleStack
+from pareprop.engine import ReversibleStack, stacks_of
 
 __all__ = ["OPTIMIZERS", "AMP_NAMES"]
 
@@ -172,7 +172,7 @@ class _StreamBytes:
 
     def __init__(self, model: nn.Module):
         self.largest = 0
-        self._stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+        self._stacks = [m for _, m in stacks_of(model)]
         self._hooks: list = []
 
     def _record(self, stack: ReversibleStack, args: Tuple[Any, ...]) -> None:
