@@ -197,9 +197,9 @@ def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
     monkeypatch.setattr(schedules, "_Lanes",
                         lambda *a, **k: count_lanes.append(1) or pytest.fail("lanes created"))
 
-    def counting(plan, index, name, x, split, count, *args, **kwargs):
-        calls[plan.engine] = calls.get(plan.engine, 0) + (count if split is not None else 1)
-        return run_chunks(plan, index, name, x, split, count, *args, **kwargs)
+    def counting(plan, branch, to):
+        calls[plan.engine] = calls.get(plan.engine, 0) + (1 if branch.whole else branch.count)
+        return run_chunks(plan, branch, to)
 
     monkeypatch.setattr(chunked, "_run_chunks", counting)
     torch.manual_seed(0)
