@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pareprop import engine as engine_lib
-from pareprop.engine import stacks_of
+from pareprop.engine import ReversibleStack, stacks_of
 from pareprop.memory.saved import activation_bytes, is_parameter, storage_key
 from pareprop.memory.units import parse_memory
 
@@ -314,12 +314,7 @@ def set_memory_budget(
         ValueError: a budget below the reversible floor (the message names the floor), a bad
             budget, or a model without reversible stacks.
     """
-    if cost not in ("time", "flops"):
-        raise ValueError(f"cost must be 'time' or 'flops', got {cost!r}")
-    if engine is not None and engine not in ("reversible", "pareprop"):
-        raise ValueError(f"engine must be 'reversible' or 'pareprop' (or None), got {engine!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    _check_options(engine, cost, repeats)
     kind, value = parse_budget(budget)
     stacks = stacks_of(model)
     if not stacks:
@@ -350,34 +345,12 @@ def set_memory_budget(
             "recomputed the model keeps that much; give at least the floor, or a smaller batch"
         )
 
-    # Most time saved per byte first; among equals the later block, so stored runs are
-    # contiguous at the top of a stack (each run keeps one extra input at its lower end).
-    order = {(b.stack, b.index): i for i, b in enumerate(blocks)}
-    ranked = sorted(
-        blocks, key=lambda b: (-(b.cost / max(b.kept_bytes, 1)), -order[(b.stack, b.index)])
-    )
-    chosen: set = set()
-    if budget_bytes >= full:
-        chosen = {(b.stack, b.index) for b in blocks}
-    else:
-        for b in ranked:
-            trial = chosen | {(b.stack, b.index)}
-            if _predict(blocks, outside, depth, trial) <= budget_bytes:
-                chosen = trial
+    ranked = _ranked(blocks)
+    chosen = _choose(ranked, outside, depth, budget_bytes, stored_all=budget_bytes >= full)
 
     def apply(keys: set) -> int:
-        stored = {n: tuple(i for i in range(depth[n]) if (n, i) in keys) for n in depth}
-        for name, stack in stacks:
-            full_stack = len(stored[name]) == depth[name]
-            stack.set_engine("autograd" if full_stack else engines[name])
-            stack.store_blocks(stored[name])
-        with torch.random.fork_rng(devices=devices):
-            was_training = model.training
-            model.train()
-            try:
-                return _forward_bytes(model, inputs)
-            finally:
-                model.train(was_training)
+        _store(stacks, engines, depth, keys)
+        return _measure_stored(model, inputs, devices)
 
     measured = apply(chosen)
     # The prediction is exact for the blocks we know of; should a model keep something it did
@@ -401,6 +374,60 @@ def set_memory_budget(
         cost_unit="s" if cost == "time" else "FLOP",
         blocks=blocks,
     )
+
+
+def _check_options(engine: Optional[str], cost: str, repeats: int) -> None:
+    if cost not in ("time", "flops"):
+        raise ValueError(f"cost must be 'time' or 'flops', got {cost!r}")
+    if engine is not None and engine not in ("reversible", "pareprop"):
+        raise ValueError(f"engine must be 'reversible' or 'pareprop' (or None), got {engine!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+
+
+def _ranked(blocks: List[BlockCost]) -> List[BlockCost]:
+    """Most time saved per byte first; among equals the later block, so stored runs are
+    contiguous at the top of a stack (each run keeps one extra input at its lower end)."""
+    order = {(b.stack, b.index): i for i, b in enumerate(blocks)}
+    return sorted(
+        blocks, key=lambda b: (-(b.cost / max(b.kept_bytes, 1)), -order[(b.stack, b.index)])
+    )
+
+
+def _choose(ranked: List[BlockCost], outside: int, depth: Dict[str, int], budget_bytes: int,
+            stored_all: bool) -> set:
+    """The (stack, index) keys of the blocks to store: greedily down ``ranked``, each block
+    that still fits the budget as predicted; every block when ``stored_all``."""
+    if stored_all:
+        return {(b.stack, b.index) for b in ranked}
+    chosen: set = set()
+    for b in ranked:
+        trial = chosen | {(b.stack, b.index)}
+        if _predict(ranked, outside, depth, trial) <= budget_bytes:
+            chosen = trial
+    return chosen
+
+
+def _store(stacks: List[Tuple[str, ReversibleStack]], engines: Dict[str, str],
+           depth: Dict[str, int], keys: set) -> None:
+    """Store the blocks of ``keys`` (a stack whose every block is stored runs autograd)."""
+    stored = {n: tuple(i for i in range(depth[n]) if (n, i) in keys) for n in depth}
+    for name, stack in stacks:
+        full_stack = len(stored[name]) == depth[name]
+        stack.set_engine("autograd" if full_stack else engines[name])
+        stack.store_blocks(stored[name])
+
+
+def _measure_stored(model: nn.Module, inputs: Tuple[Any, ...], devices: List[int]) -> int:
+    """What a training forward of ``model`` keeps, as it stores its blocks now; the user's RNG
+    and the model's mode are left as found."""
+    with torch.random.fork_rng(devices=devices):
+        was_training = model.training
+        model.train()
+        try:
+            return _forward_bytes(model, inputs)
+        finally:
+            model.train(was_training)
 
 
 def stored_blocks(model: nn.Module) -> Dict[str, List[int]]:
