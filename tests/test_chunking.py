@@ -11,7 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
-from pareprop.engine import chunk_cost, chunked, recompute, schedules
+from pareprop.engine import backward, chunk_cost, chunked, recompute
 from pareprop.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
 
@@ -194,7 +194,7 @@ def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
     calls = {}
     count_lanes = []
     run_chunks = chunked._run_chunks
-    monkeypatch.setattr(schedules, "_Lanes",
+    monkeypatch.setattr(backward, "_Lanes",
                         lambda *a, **k: count_lanes.append(1) or pytest.fail("lanes created"))
 
     def counting(plan, branch, to):

@@ -72,7 +72,7 @@ ENGINE_ORDER: List[str] = [
     "pareprop.engine.rebuild",  # recover and grads of one block, stored blocks
     "pareprop.engine.chunked",  # the same a chunk at a time, and the chunked forward
     "pareprop.engine.lanes",  # PaReprop's two lanes and the parameter aliases on them
-    "pareprop.engine.schedules",  # Reprop's and PaReprop's order of recover and grads
+    "pareprop.engine.backward",  # Reprop's and PaReprop's order of recover and grads
     "pareprop.engine.function",  # the autograd Function
     "pareprop.engine.graphs",  # a stack's training step captured as CUDA graphs
     "pareprop.engine.stack",  # ReversibleStack and the model-wide setters

@@ -76,7 +76,7 @@ NOTE [ FSDP prefetch on the waiting lane ]
     copy-in, all-gather wait and copy-out all on one stream, whose later work runs after them.
     That lane first waits for the current one (where recover(l) has just waited for the step
     before it), so the buffer it allocates is ordered like recover's own allocations (NOTE
-    [ Tensor lifetimes across streams ] in engine/schedules.py); that wait costs nothing, since the
+    [ Tensor lifetimes across streams ] in engine/backward.py); that wait costs nothing, since the
     lower lane's next work, grads(l+1), waits for the same events anyway. The prefetch still
     overlaps: its copy-in is a small kernel queued on the lower lane before grads(l+1), and the
     all-gather itself runs on the process group's own stream, alongside recover(l) and

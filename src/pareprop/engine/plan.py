@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from pareprop.engine.block import ReversibleBlock
 from pareprop.engine.chunk_cost import Chunking
-from pareprop.engine.fallback import ScheduleChoice
+from pareprop.engine.fallback import PaRepropFallback
 from pareprop.engine.replay import (
     _AutocastState,
     _BackendState,
@@ -84,7 +84,7 @@ class _Plan:
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
     # Under "pareprop": the stack's choice between PaReprop and Reprop (engine/fallback.py).
-    schedule: Optional[ScheduleChoice] = None
+    fallback: Optional[PaRepropFallback] = None
     # In a step captured as CUDA graphs: the branches' random streams (_CudaBranchRng, or its
     # CPU stand-in), which forward and recomputation draw from; None outside one.
     graph_rng: Optional[Any] = None

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine.block import ReversibleBlock, skip_scale
 from pareprop.engine.chunk_cost import Chunking, parse_chunking
-from pareprop.engine.fallback import ScheduleChoice
+from pareprop.engine.fallback import PaRepropFallback
 from pareprop.engine.forward import _couple
 from pareprop.engine.function import _ReversibleFunction
 from pareprop.engine.graphs import _StackGraphs, check_capturable
@@ -89,7 +89,7 @@ class ReversibleStack(nn.Module):
         self._cuda_graphs: Optional[_StackGraphs] = None
         self._graph_rng: Optional[Any] = None
         # Under "pareprop": PaReprop or Reprop, measured on the first backward passes.
-        self._schedule = ScheduleChoice(
+        self._fallback = PaRepropFallback(
             f"a ReversibleStack of {len(self.blocks)} {type(self.blocks[0]).__name__} blocks")
         self.set_engine(engine)
         self._debug_tolerance: Optional[float] = None
@@ -129,8 +129,8 @@ class ReversibleStack(nn.Module):
         if graphs:
             check_capturable(self, "this ReversibleStack")
         if fallback is not None:
-            self._schedule.enabled = bool(fallback)
-        self._schedule.reset()
+            self._fallback.enabled = bool(fallback)
+        self._fallback.reset()
         if name != "autograd":
             found = _running_stat_modules(self.blocks)
             if found:
@@ -154,7 +154,7 @@ class ReversibleStack(nn.Module):
         return "off" if self._cuda_graphs is None else self._cuda_graphs.status()
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        self._fallback.reset()  # another device or dtype: PaReprop and Reprop measured again
         if self._cuda_graphs is not None:  # and captured again, on the new tensors
             self._cuda_graphs.reset()
         return super()._apply(fn, recurse)
@@ -174,7 +174,7 @@ class ReversibleStack(nn.Module):
                 raise IndexError(f"block index {i} out of range for a stack of {depth} blocks")
             chosen.add(i % depth)
         if tuple(sorted(chosen)) != getattr(self, "stored_blocks", ()):
-            self._schedule.reset()  # stored blocks change what PaReprop overlaps
+            self._fallback.reset()  # stored blocks change what PaReprop overlaps
             if self._cuda_graphs is not None:  # and what a captured step runs
                 self._cuda_graphs.reset()
         self.stored_blocks = tuple(sorted(chosen))
@@ -232,7 +232,7 @@ class ReversibleStack(nn.Module):
             if self.engine != "autograd":  # a replay skips _forward_reversible's check
                 _forward_betas(self.blocks, [i in self.stored_blocks
                                              for i in range(len(self.blocks))])
-            return self._cuda_graphs.run(self, x1, x2, kwargs, self._schedule.label)
+            return self._cuda_graphs.run(self, x1, x2, kwargs, self._fallback.label)
         return self._run(x1, x2, kwargs)
 
     def _run(self, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
@@ -288,7 +288,7 @@ class ReversibleStack(nn.Module):
             chunking=self.chunking,
             chunk_costs=self._chunk_costs,
             # Under CUDA graphs the schedule named runs as it is (NOTE [ CUDA graphs of a stack ]).
-            schedule=self._schedule if self._cuda_graphs is None else None,
+            fallback=self._fallback if self._cuda_graphs is None else None,
             graph_rng=self._graph_rng,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
@@ -419,7 +419,7 @@ def set_stack_engine(
             check_capturable(m, _stack_label(path, m))
     for path, m in stacks:
         m.set_engine(name, fallback, cuda_graphs)
-        m._schedule.label = _stack_label(path, m)
+        m._fallback.label = _stack_label(path, m)
     return module
 
 
@@ -463,8 +463,8 @@ def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
                                  "Reprop's)")
                 continue
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
-            m._schedule.label = _stack_label(path, m)
-            reasons[path] = (m._schedule.state(device), m._schedule.reason(device))
+            m._fallback.label = _stack_label(path, m)
+            reasons[path] = (m._fallback.state(device), m._fallback.reason(device))
     return reasons
 
 
