@@ -118,10 +118,10 @@ def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
 # block l still reads: a chunked block would be rebuilt once without a graph into new maps,
 # and then once more, chunk by chunk, with a graph to differentiate (a depth-3 Rev-ViT with 2
 # chunks ran its branches' chunks 22 times in backward against Reprop's 12), holding more
-# stream maps than Reprop to do so; it measured 0.82-0.87x chunked Reprop's speed on an H200
-# (2026-12-04), and the largest batches where chunking matters fill the device with one block
-# anyway. So a chunked stack under "pareprop" runs Reprop's schedule, in place, and
-# :func:`schedule_reasons` says so.
+# stream maps than Reprop to do so and running slower than chunked Reprop (BENCHMARKS.md),
+# and the largest batches where chunking matters fill the device with one block anyway. So a
+# chunked stack under "pareprop" runs Reprop's schedule, in place, and :func:`schedule_reasons`
+# says so.
 
 
 @dataclass
