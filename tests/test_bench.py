@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import pareprop
-import pareprop.testing
+import pareprop.engine.testing
 from pareprop import bench, catalog
 from pareprop.cli import bench as cli
 from pareprop.engine import ReversibleBlock, ReversibleStack, set_stack_engine
@@ -270,13 +270,13 @@ def test_grad_rel_err_detects_a_wrong_engine(monkeypatch):
     assert bench.grad_rel_err(model, (x,), "reversible") < 1e-10
 
     # An "engine" that gets the gradients wrong must be caught: scale the head's gradient.
-    original = pareprop.testing.set_stack_engine
+    original = pareprop.engine.testing.set_stack_engine
 
     def broken(module, name):
         original(module, name)
         module.head.weight.register_hook(lambda g: g * (2.0 if name != "autograd" else 1.0))
 
-    monkeypatch.setattr(pareprop.testing, "set_stack_engine", broken)
+    monkeypatch.setattr(pareprop.engine.testing, "set_stack_engine", broken)
     model = _make(depth=2).double().train()
     assert bench.grad_rel_err(model, (x,), "reversible") > 0.1
 
@@ -657,7 +657,7 @@ def test_grad_rel_err_ignores_rounding_of_gradients_zero_by_construction():
     # MViTv2's key-norm bias has an exact gradient of 0; in float32 its relative "error" is
     # noise over noise. The sweep's check measures it against the largest gradient instead,
     # and still catches a wrong gradient anywhere else.
-    from pareprop.testing import engine_errors
+    from pareprop.engine.testing import engine_errors
 
     torch.manual_seed(0)
     model = pareprop.create_model("rev_mvitv2_tiny_32", num_classes=10)

@@ -12,7 +12,7 @@ import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
 from pareprop.engine import backward, chunk_cost, chunked, recompute
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py

@@ -17,7 +17,7 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2
 import pareprop
 from pareprop.convert import UnsupportedModelError, converted_model_name
 from pareprop.engine import chunked
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 KINDS = {"v1": SwinTransformer, "v2": SwinTransformerV2}
 # Two stages of two blocks on an 8x8 patch grid with windows of 4: stage 0 has shifted windows

@@ -24,7 +24,7 @@ import torch
 
 import pareprop
 from pareprop.engine import backward, graphs
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 pytestmark = [
     pytest.mark.gpu,

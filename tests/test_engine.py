@@ -9,7 +9,7 @@ from timm.layers import DropPath
 
 import pareprop
 from pareprop.engine import backward, lanes, replay
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 
 TOL = 1e-10
 DIM = 8

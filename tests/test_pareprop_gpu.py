@@ -38,7 +38,7 @@ import pareprop
 from pareprop.distributed import fsdp
 from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane, graphs
 from pareprop.engine.lanes import _block_lanes, _side_stream
-from pareprop.testing import engine_errors, relative_error
+from pareprop.engine.testing import engine_errors, relative_error
 
 pytestmark = [
     pytest.mark.gpu,

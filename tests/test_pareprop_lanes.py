@@ -16,7 +16,7 @@ from pareprop.engine import MAIN_LANE, SIDE_LANE, backward, function
 from pareprop.engine import fallback as schedule_module
 from pareprop.engine import lanes as lanes_module
 from pareprop.engine.lanes import _block_lanes
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 DIM = 6
 M, S = MAIN_LANE, SIDE_LANE

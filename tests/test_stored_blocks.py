@@ -9,7 +9,7 @@ import torch
 
 import pareprop
 from pareprop.engine import backward, function
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, MixerBlock, Model
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py

@@ -22,8 +22,8 @@ import torch.nn as nn
 from timm.layers import DropPath as TimmDropPath
 
 from pareprop.engine import ENGINES, debug_reconstruction, stacks_of
+from pareprop.engine.testing import one_step, relative_error
 from pareprop.layers import DropPath
-from pareprop.testing import one_step, relative_error
 
 __all__ = ["DriftReport", "drift_report"]
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from pareprop.engine import set_stack_engine, stacks_of
+from pareprop.engine.stack import set_stack_engine, stacks_of
 
 __all__ = ["engine_errors", "relative_error", "worst_error", "one_step"]
 
