@@ -1,5 +1,5 @@
 """Planned largest batch in 80 GiB of converted MViTs against their sources checkpointed
-(issue 40's targets): timm's mvitv2_base (224 px images) and torchvision's mvit_v2_s (16 x 224
+(the target: at least 2x): timm's mvitv2_base (224 px images) and torchvision's mvit_v2_s (16 x 224
 x 224 clips), bf16 autocast, AdamW, a whole training step planned on fake tensors.
 
     PYTHONPATH=src python benchmarks/convert_mvit_plan.py [--only mvitv2|tv] [--memory-gib 80] \

@@ -1,5 +1,5 @@
 """Planned largest training batch of a converted model at the reversible coupling, against its
-source checkpointed with timm's ``set_grad_checkpointing()`` (issue 40's memory targets).
+source checkpointed with timm's ``set_grad_checkpointing()``.
 
 Both planned by ``pareprop.largest_batch`` (fake tensors, AdamW, CUDA's foreach path; planned,
 not run): the converted model at (alpha, beta) = (0, 1) on the reversible engine, without the

@@ -14,7 +14,7 @@ dry run reads a trace the same way.
 ``--kernels REVERSIBLE STANDARD BATCH``: one step of each, REVERSIBLE under plain autograd
 (engine "autograd"), STANDARD as timm builds it, and for each the operators with the most
 self device time, with the share of copies (``aten::copy_``, ``clone``, ``contiguous``,
-``_to_copy``): where an equal-batch gap between the two comes from (issue 31 item 4).
+``_to_copy``): where an equal-batch gap between the two comes from.
 
 Each part fails alone: an error (its type and first line) is printed and recorded in the
 part's place in the JSON, which is written after each part, and the other part runs.

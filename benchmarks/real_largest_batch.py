@@ -10,7 +10,7 @@ training step (bf16 autocast, cross-entropy, AdamW) per batch size, on a device 
 when it ran (so "within 5%" is a measurement), or a bisection below it when it did not. Every
 step prints its peak (``max_memory_allocated``) and, for chunked stacks, the chunk counts the
 engine chose (the smallest count of each split size: a branch asked to chunk must never run
-whole, issue 31). With ``--trace-oom`` a planned batch that runs out of memory is repeated
+whole). With ``--trace-oom`` a planned batch that runs out of memory is repeated
 under ``torch.cuda.memory._record_memory_history`` (Python stacks, a bounded history) and the
 largest tensors alive when it failed are printed with the line that made them (NOTE [ Tracing
 only the planned batch ]). The JSON is rewritten after every step and a case that fails is

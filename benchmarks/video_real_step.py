@@ -24,7 +24,7 @@ import torch
 from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.memory import BYTE_FIELDS, memory_report, plan_memory
 
-# name: (engine, grad_checkpointing): the modes issue 32 compares on the CPU.
+# name: (engine, grad_checkpointing): the modes compared on the CPU.
 CASES = {
     "rev_mvit_base_16x4": ("reversible", True),
     "mvit_v1_b": ("checkpointed", False),

@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 
 import pareprop
-import pareprop.testing
+import pareprop.engine.testing
 from pareprop import bench, catalog
 from pareprop.cli import bench as cli
-from pareprop.engine import ReversibleBlock, ReversibleStack, set_engine
+from pareprop.engine import ReversibleBlock, ReversibleStack, set_stack_engine
 from pareprop.models import is_model, register_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -68,7 +68,7 @@ class TinyRev(nn.Module):
         self.head = nn.Linear(self.num_features, cfg.num_classes)
 
     def set_engine(self, name):
-        set_engine(self, name)
+        set_stack_engine(self, name)
 
     def example_inputs(self, batch_size, device=None, dtype=torch.float32):
         c, s = self.cfg.in_chans, self.cfg.img_size
@@ -270,13 +270,13 @@ def test_grad_rel_err_detects_a_wrong_engine(monkeypatch):
     assert bench.grad_rel_err(model, (x,), "reversible") < 1e-10
 
     # An "engine" that gets the gradients wrong must be caught: scale the head's gradient.
-    original = pareprop.testing.set_engine
+    original = pareprop.engine.testing.set_stack_engine
 
     def broken(module, name):
         original(module, name)
         module.head.weight.register_hook(lambda g: g * (2.0 if name != "autograd" else 1.0))
 
-    monkeypatch.setattr(pareprop.testing, "set_engine", broken)
+    monkeypatch.setattr(pareprop.engine.testing, "set_stack_engine", broken)
     model = _make(depth=2).double().train()
     assert bench.grad_rel_err(model, (x,), "reversible") > 0.1
 
@@ -657,7 +657,7 @@ def test_grad_rel_err_ignores_rounding_of_gradients_zero_by_construction():
     # MViTv2's key-norm bias has an exact gradient of 0; in float32 its relative "error" is
     # noise over noise. The sweep's check measures it against the largest gradient instead,
     # and still catches a wrong gradient anywhere else.
-    from pareprop.testing import engine_errors
+    from pareprop.engine.testing import engine_errors
 
     torch.manual_seed(0)
     model = pareprop.create_model("rev_mvitv2_tiny_32", num_classes=10)

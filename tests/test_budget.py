@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors, worst_error
 from pareprop.memory import parse_memory as parse_bytes
 from pareprop.memory.budget import parse_budget
-from pareprop.testing import engine_errors, worst_error
 
 
 def _vit(depth=6):

@@ -93,7 +93,7 @@ def test_bad_names_and_modes_say_what_to_do():
 def test_engine_auto_is_resolved_above_the_engine():
     model = pareprop.create_model("rev_vit_tiny_patch4_32", depth=2)
     with pytest.raises(ValueError, match="pareprop.set_engine"):
-        pareprop.engine.set_engine(model, "auto")
+        pareprop.engine.set_stack_engine(model, "auto")
     (x,) = model.example_inputs(2)
     pareprop.set_engine(model, "auto", memory_budget=1.0, example_inputs=(x,))
     assert model.memory_plan.num_stored == 2

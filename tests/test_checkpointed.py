@@ -8,8 +8,8 @@ import torch
 
 from pareprop.catalog import ModelRequest, build_model, example_inputs
 from pareprop.engine import ReversibleStack
+from pareprop.engine.testing import one_step, relative_error
 from pareprop.memory import activation_bytes, memory_report, plan_memory
-from pareprop.testing import one_step, relative_error
 
 TOL = 1e-10
 # One small model per family, float64, with dropout and drop-path on where the family has them.

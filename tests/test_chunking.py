@@ -11,8 +11,8 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 import test_grad_checkpointing as gc_tests
 from pareprop import chunking
-from pareprop.engine import chunk_cost, chunked, recompute, schedules
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine import backward, chunk_cost, chunked, recompute
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, Model
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
@@ -194,12 +194,12 @@ def test_chunked_pareprop_runs_reprops_schedule_and_says_why(monkeypatch):
     calls = {}
     count_lanes = []
     run_chunks = chunked._run_chunks
-    monkeypatch.setattr(schedules, "_Lanes",
+    monkeypatch.setattr(backward, "_Lanes",
                         lambda *a, **k: count_lanes.append(1) or pytest.fail("lanes created"))
 
-    def counting(plan, index, name, x, split, count, *args, **kwargs):
-        calls[plan.engine] = calls.get(plan.engine, 0) + (count if split is not None else 1)
-        return run_chunks(plan, index, name, x, split, count, *args, **kwargs)
+    def counting(plan, branch, to):
+        calls[plan.engine] = calls.get(plan.engine, 0) + (1 if branch.whole else branch.count)
+        return run_chunks(plan, branch, to)
 
     monkeypatch.setattr(chunked, "_run_chunks", counting)
     torch.manual_seed(0)

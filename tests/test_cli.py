@@ -235,3 +235,17 @@ def test_every_size_parser_takes_the_same_forms():
     for bad in (math.inf, math.nan, 1.5, True):
         with pytest.raises(ValueError, match="chunk count"):
             pareprop.set_chunking(model, chunks=bad)
+
+
+def test_train_help_reads_in_sections():
+    from pareprop.cli.train import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    sections = ["model:", "fine-tuning a converted model:", "engine and memory:", "data:",
+                "optimization:", "the run:"]
+    assert [text.index(s) for s in sections] == sorted(text.index(s) for s in sections)
+    # Every option but --config and --help sits in a section.
+    grouped = {a.dest for g in parser._action_groups[2:] for a in g._group_actions}
+    loose = {a.dest for a in parser._actions} - grouped
+    assert loose == {"help", "config"}

@@ -169,7 +169,10 @@ def test_plan_and_eval_errors_speak_their_own_flags(folder, monkeypatch, capsys)
             real(name, **kwargs).load_state_dict(weights)  # raises as timm's loader does
         return real(name, **kwargs)
 
-    monkeypatch.setattr("pareprop.trainer.finetune.timm.create_model", hub)
+    import importlib
+
+    timm_pretrained = importlib.import_module("pareprop.convert.timm_pretrained")
+    monkeypatch.setattr(timm_pretrained.timm, "create_model", hub)
     line = _one_line_error(capsys, cli([
         "eval", "--model", f"converted:{SOURCE}", "--pretrained", "--data-dir", str(folder),
         *ARGS]))

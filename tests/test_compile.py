@@ -12,7 +12,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import pareprop
-from pareprop.testing import one_step, relative_error
+from pareprop.engine.testing import one_step, relative_error
 
 # slow: every test compiles with torch.compile (minutes in all; README, Development)
 pytestmark = pytest.mark.slow

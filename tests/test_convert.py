@@ -17,7 +17,7 @@ from timm.models.vision_transformer import (
 
 import pareprop
 from pareprop.convert import UnsupportedModelError
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 SMALL = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=16, num_heads=2, num_classes=5)
 # Each row a kind of timm ViT: class token, register tokens + mean pooling, layer scale,

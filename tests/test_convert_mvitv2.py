@@ -16,7 +16,7 @@ import pareprop
 from pareprop.convert import UnsupportedModelError
 from pareprop.convert.mvitv2 import keeps_shape
 from pareprop.engine import ReversibleStack
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 # Every published configuration, 2-3 blocks a stage (a stack in most stages), 24 wide.
 NAMES = sorted(model_cfgs)

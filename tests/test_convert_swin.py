@@ -17,7 +17,7 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2
 import pareprop
 from pareprop.convert import UnsupportedModelError, converted_model_name
 from pareprop.engine import chunked
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 KINDS = {"v1": SwinTransformer, "v2": SwinTransformerV2}
 # Two stages of two blocks on an 8x8 patch grid with windows of 4: stage 0 has shifted windows
@@ -487,7 +487,7 @@ def test_merging_in_chunks_equals_the_merging_whole(monkeypatch):
 def test_trainer_loads_timms_pretrained_weights_of_a_swin(monkeypatch):
     # --convert-from without --pretrained-file: timm's download of the source (answered here
     # by a model of another seed), through the converted model's timm names.
-    from pareprop.trainer.finetune import load_timm_pretrained
+    from pareprop.convert.timm_pretrained import load_timm_pretrained
 
     real = timm.create_model
 
@@ -496,7 +496,7 @@ def test_trainer_loads_timms_pretrained_weights_of_a_swin(monkeypatch):
             torch.manual_seed(7)
         return real(name, **kw)
 
-    monkeypatch.setattr("pareprop.trainer.finetune.timm.create_model", create)
+    monkeypatch.setattr(timm, "create_model", create)
     model = pareprop.create_model("converted_swin", source="swinv2_tiny_window8_256",
                                   num_classes=5, **TINY)
     load_timm_pretrained(model, "swinv2_tiny_window8_256")

@@ -17,7 +17,7 @@ import pareprop
 from pareprop.convert import UnsupportedModelError, converted_model_name
 from pareprop.convert.swin3d import SWIN3D_SOURCES, build_swin3d, load_torchvision_pretrained
 from pareprop.engine import chunked
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 # Two blocks a stage, small widths; clips of 8 frames of 32x32: a (4, 8, 8) patch grid, so the
 # first stage's 8x7x7 windows shift in space (padded to 14) and fit the 4 frames whole.

@@ -17,7 +17,7 @@ import pareprop
 from pareprop.convert import UnsupportedModelError
 from pareprop.convert.torchvision_mvit import SOURCES, keeps_shape, published_mvit
 from pareprop.engine import ReversibleStack
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 # The published block layouts, 16 wide, two blocks a stack, 4 frames of 32x32.
 SMALL = dict(spatial_size=(32, 32), temporal_size=4, embed_dim=16, max_run=2, num_classes=5)

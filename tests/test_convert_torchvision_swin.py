@@ -24,7 +24,7 @@ from pareprop.convert.torchvision_swin import (
 )
 from pareprop.convert.torchvision_swin_base import load_torchvision_pretrained
 from pareprop.engine import chunked
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 # Two blocks a stage, small widths; 32 x 32 images: an 8 x 8 patch grid, so V1's 7 x 7 windows
 # pad (to 14) and shift, V2's 8 x 8 windows fit and shift; the second stage's 4 x 4 map is one

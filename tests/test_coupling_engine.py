@@ -8,7 +8,7 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 import pareprop
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 DIM = 8
 

@@ -20,8 +20,8 @@ import torch.nn as nn
 
 import pareprop
 from pareprop.engine import graphs, replay
+from pareprop.engine.testing import relative_error
 from pareprop.models.vit import RevViTBlock
-from pareprop.testing import relative_error
 
 TOL = 1e-10
 NO_DROP = dict(attn_drop_rate=0.0, proj_drop_rate=0.0, drop_path_rate=0.0)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.engine import graphs, schedules
-from pareprop.testing import relative_error
+from pareprop.engine import backward, graphs
+from pareprop.engine.testing import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -150,8 +150,8 @@ def test_a_replayed_step_runs_no_engine_code(engine, monkeypatch):
     _train([model], steps=graphs.WARMUP_STEPS + 1)
     assert _captured(model)
     calls = []
-    recover = schedules._recover
-    monkeypatch.setattr(schedules, "_recover", lambda *a: calls.append(1) or recover(*a))
+    recover = backward._recover
+    monkeypatch.setattr(backward, "_recover", lambda *a: calls.append(1) or recover(*a))
     _train([model], steps=2)
     assert calls == []  # the backward graph replayed: nothing was rebuilt on the host
     pareprop.set_engine(model, engine, cuda_graphs=False)

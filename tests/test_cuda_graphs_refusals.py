@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 import pareprop
 from pareprop.distributed import fsdp
 from pareprop.engine import graphs, replay
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 DIM = 8
 TOL = 1e-10

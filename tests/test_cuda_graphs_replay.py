@@ -8,7 +8,7 @@ import torch
 
 import pareprop
 from pareprop.engine import graphs
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 from test_cuda_graphs_refusals import DIM, TOL, _inputs, _stack
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py

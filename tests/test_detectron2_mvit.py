@@ -14,7 +14,7 @@ import torch
 import _detectron2_reference as ref
 import pareprop
 from pareprop.detection.detectron2 import from_detectron2
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 TINY = dict(embed_dim=8, depth=6, num_heads=1, last_block_indexes=(1, 3, 4, 5), img_size=64,
             adaptive_window_size=6, adaptive_kv_stride=2, drop_path_rate=0.0)

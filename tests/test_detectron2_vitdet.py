@@ -15,7 +15,7 @@ import torch
 import _detectron2_reference as ref
 import pareprop
 from pareprop.detection.detectron2 import UnsafePickleError, from_detectron2
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 TINY = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_indexes=(0, 2),
             img_size=128, pretrain_img_size=64, drop_path_rate=0.0)

@@ -219,3 +219,12 @@ def test_init_without_cuda_joins_with_gloo(monkeypatch):
     monkeypatch.setattr(tdist, "get_world_size", lambda: 2)
     info = distributed.init("cuda")
     assert joined == {"b": "gloo"} and info.backend == "gloo"
+
+
+def test_fsdp_sharding_is_what_the_engine_asks_for():
+    # The engine calls a sharded stack's sharding through the BlockSharding protocol alone.
+    from pareprop.distributed.fsdp import _BlockSharding
+    from pareprop.engine import BlockSharding
+
+    assert isinstance(_BlockSharding([], reshard_after_forward=True), BlockSharding)
+    assert not isinstance(object(), BlockSharding)

@@ -8,8 +8,8 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 import pareprop
-from pareprop.engine import lanes, replay, schedules
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine import backward, lanes, replay
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 
 TOL = 1e-10
 DIM = 8
@@ -146,7 +146,7 @@ def test_activation_bytes_counts_a_storage_once_and_skips_parameters():
 
 def test_pareprop_schedule_overlaps_recover_and_grads(monkeypatch):
     events, alive = [], []
-    recover, grads = schedules._recover, schedules._grads
+    recover, grads = backward._recover, backward._grads
 
     def logged_recover(plan, index, *args):
         rebuilt = recover(plan, index, *args)
@@ -160,8 +160,8 @@ def test_pareprop_schedule_overlaps_recover_and_grads(monkeypatch):
         events.append(("grads", index))
         return grads(plan, index, *args)
 
-    monkeypatch.setattr(schedules, "_recover", logged_recover)
-    monkeypatch.setattr(schedules, "_grads", logged_grads)
+    monkeypatch.setattr(backward, "_recover", logged_recover)
+    monkeypatch.setattr(backward, "_grads", logged_grads)
     Model(4, engine="pareprop")(torch.randn(2, 3, DIM)).sum().backward()
     assert events == [
         ("recover", 3), ("recover", 2), ("grads", 3), ("recover", 1), ("grads", 2),

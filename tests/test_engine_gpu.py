@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import pareprop
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 
 pytestmark = [
     pytest.mark.gpu,

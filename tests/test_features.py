@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import pareprop
-from pareprop.testing import engine_errors
+from pareprop.engine.testing import engine_errors
 
 # Tiny float64 backbones with a stride-4 stem (MViTv2 ``_tiny``: 4x4 patches; Swin: patch 4).
 TINY = {

@@ -140,7 +140,7 @@ def _fake_timm_hub(monkeypatch, weights=None):
         torch.manual_seed(weights)
         return real(name, **kw)
 
-    monkeypatch.setattr("pareprop.trainer.finetune.timm.create_model", create)
+    monkeypatch.setattr(timm, "create_model", create)
     return calls
 
 
@@ -212,8 +212,8 @@ def _timm_hub_of_default_weights(monkeypatch):
 
 
 def test_model_args_that_do_not_fit_timms_weights_are_named_in_one_line(monkeypatch):
+    from pareprop.convert.timm_pretrained import load_timm_pretrained
     from pareprop.pretrained import PretrainedError
-    from pareprop.trainer.finetune import load_timm_pretrained
 
     _timm_hub_of_default_weights(monkeypatch)
     # img_size and num_heads fit (timm resamples pos_embed; heads change no shape); depth at
@@ -234,8 +234,8 @@ def test_model_args_that_do_not_fit_timms_weights_are_named_in_one_line(monkeypa
 
 def test_config_fields_timm_does_not_take_are_named_in_one_line(monkeypatch):
     # converted_mvitv2 applies MultiScaleVitCfg fields itself; timm's factory refuses them.
+    from pareprop.convert.timm_pretrained import load_timm_pretrained
     from pareprop.pretrained import PretrainedError
-    from pareprop.trainer.finetune import load_timm_pretrained
 
     model = pareprop.create_model("converted_mvitv2", source="mvitv2_tiny", tolerance=None,
                                   depths=[1, 1, 1, 1], img_size=32, num_classes=3)

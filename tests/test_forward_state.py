@@ -11,7 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 import pareprop
 from pareprop.chunking import Split
 from pareprop.engine import set_block_checkpointing
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 TOL = 1e-10
 ENGINES = ("reversible", "pareprop")

@@ -9,8 +9,8 @@ import torch
 
 import pareprop
 from pareprop import ENGINES, activation_bytes
+from pareprop.engine.testing import relative_error
 from pareprop.models._features import StageEnd
-from pareprop.testing import relative_error
 
 TOL = 1e-10
 # Float64, drop-path and dropout on, odd map sizes (Swin pads before merging).

@@ -2,7 +2,7 @@
 
 The order (lowest first; README "Layout" is the same map):
 
-    engine -> testing, distributed -> layers -> models -> convert -> catalog -> memory
+    engine -> distributed -> layers -> models -> convert -> catalog -> memory
     -> checkpoint, data, pretrained -> bench, trainer, evaluate -> pareprop (the public API)
     -> cli
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Dict, List, Set, Tuple
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
@@ -29,7 +30,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.engine", "pareprop.chunking", "pareprop.devices"),
     # Built on the engine alone: testing engines against autograd, multi-process training and
     # sharding (distributed).
-    ("pareprop.testing", "pareprop.distributed"),
+    ("pareprop.engine.testing", "pareprop.distributed"),
     ("pareprop.layers",),
     ("pareprop.models",),
     # Pretrained models rewired as reversible ones: the coupling, the precision guard, one
@@ -67,16 +68,18 @@ ENGINE_ORDER: List[str] = [
     "pareprop.engine.chunk_cost",  # how many chunks a branch runs in, and what a chunk costs
     "pareprop.engine.block",  # ReversibleBlock, the skip scale
     "pareprop.engine.fallback",  # PaReprop's fallback to Reprop when it measures slower
+    "pareprop.engine.sharding",  # what the engine asks of a sharded stack (BlockSharding)
     "pareprop.engine.replay",  # state captured in forward, replayed in recomputation
     "pareprop.engine.plan",  # what forward leaves for backward
     "pareprop.engine.forward",  # the coupling, every call of F and G checked
     "pareprop.engine.rebuild",  # recover and grads of one block, stored blocks
     "pareprop.engine.chunked",  # the same a chunk at a time, and the chunked forward
     "pareprop.engine.lanes",  # PaReprop's two lanes and the parameter aliases on them
-    "pareprop.engine.schedules",  # Reprop's and PaReprop's order of recover and grads
+    "pareprop.engine.backward",  # Reprop's and PaReprop's order of recover and grads
     "pareprop.engine.function",  # the autograd Function
     "pareprop.engine.graphs",  # a stack's training step captured as CUDA graphs
     "pareprop.engine.stack",  # ReversibleStack and the model-wide setters
+    "pareprop.engine.testing",  # every engine against autograd: outputs and every gradient
     "pareprop.engine.compile",  # torch.compile of every block's branches
     "pareprop.engine.recompute",  # checkpointing the blocks that are not reversible
     "pareprop.engine",
@@ -365,3 +368,81 @@ def test_the_guard_sees_a_circle_and_an_upward_import():
         "pareprop.memory", "pareprop.memory.saved"]
     tree = ast.parse("from pareprop.models import vit")
     assert _targets("pareprop.models._registry", tree.body[0]) == ["pareprop.models.vit"]
+
+
+# -- the shape of the house: few modules at the top, short functions, narrow engine calls --
+
+TOP_MODULES_AT_MOST = 8  # besides __init__ and __main__; every other module lives in a package
+FUNCTION_LINES_AT_MOST = 80  # a function's body, its docstring left out
+ENGINE_PARAMETERS_AT_MOST = 8
+
+
+def test_few_modules_at_the_top():
+    top = sorted(m for m, path in MODULES.items()
+                 if m.count(".") == 1 and path.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= TOP_MODULES_AT_MOST, (
+        f"{len(top)} modules at the top of pareprop (at most {TOP_MODULES_AT_MOST}): "
+        f"{', '.join(top)}; put a new module in the package of its concern")
+
+
+def _functions() -> List[Tuple[str, ast.FunctionDef]]:
+    out = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((module, node))
+    return out
+
+
+def _body_lines(fn: ast.FunctionDef) -> int:
+    body = fn.body
+    first = body[0]
+    has_doc = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+               and isinstance(first.value.value, str))
+    start = first.end_lineno + 1 if has_doc and len(body) > 1 else first.lineno
+    return fn.end_lineno - start + 1
+
+
+def _parameters(fn: ast.FunctionDef) -> int:
+    a = fn.args
+    return (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+            + (a.vararg is not None) + (a.kwarg is not None))
+
+
+def test_no_long_function():
+    long = [f"{m}.{fn.name} (line {fn.lineno}): {_body_lines(fn)} lines"
+            for m, fn in _functions() if _body_lines(fn) > FUNCTION_LINES_AT_MOST]
+    assert not long, (f"functions over {FUNCTION_LINES_AT_MOST} lines (docstring left out); "
+                      "split them into steps:\n" + "\n".join(long))
+
+
+def test_no_wide_engine_function():
+    wide = [f"{m}.{fn.name} (line {fn.lineno}): {_parameters(fn)} parameters"
+            for m, fn in _functions()
+            if _unit(m) == "pareprop.engine" and _parameters(fn) > ENGINE_PARAMETERS_AT_MOST]
+    assert not wide, (f"engine functions with more than {ENGINE_PARAMETERS_AT_MOST} parameters; "
+                      "group what travels together:\n" + "\n".join(wide))
+
+
+def test_the_shape_checks_see_a_long_and_a_wide_function():
+    tree = ast.parse("def f(a, b, c, d, e, f, g, h, i):\n    '''doc'''\n"
+                     + "    x = 1\n" * (FUNCTION_LINES_AT_MOST + 1))
+    fn = tree.body[0]
+    assert _body_lines(fn) == FUNCTION_LINES_AT_MOST + 1
+    assert _parameters(fn) == ENGINE_PARAMETERS_AT_MOST + 1
+
+
+ROOT = SRC.parent
+# How the project was made is not what its code and docs say: no issue numbers, no sessions.
+_HISTORY = re.compile(r"\bissues? \d+|\bsessions? \d+|\bthis session\b", re.IGNORECASE)
+
+
+def test_no_history_in_code_and_docs():
+    paths = [*PACKAGE.rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
+             ROOT / "BENCHMARKS.md"]
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}"
+             for p in paths for i, line in enumerate(p.read_text().splitlines(), 1)
+             if _HISTORY.search(line)]
+    assert not found, ("issue numbers or session talk (say why, not how the work went; dates "
+                       "and commits are fine):\n" + "\n".join(found))
+    assert _HISTORY.search("Until issue 38 the count") and not _HISTORY.search("issue_31")

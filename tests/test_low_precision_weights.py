@@ -8,7 +8,7 @@ import timm
 import torch
 
 import pareprop
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 CASES = {
     "rev_vit_tiny_patch4_32": dict(img_size=8, patch_size=2, embed_dim=32, depth=4, num_heads=2),

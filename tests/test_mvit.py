@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.layers import PoolingAttention, rel_pos_table, window_partition, window_unpartition
 from pareprop.models.mvit import MVIT_CONFIGS, MViTTransitionBlock, RevMViTBlock
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 ENGINES = ("reversible", "pareprop")

@@ -38,7 +38,7 @@ import pareprop
 from pareprop.distributed import fsdp
 from pareprop.engine import MAIN_LANE, SIDE_LANE, current_lane, graphs
 from pareprop.engine.lanes import _block_lanes, _side_stream
-from pareprop.testing import engine_errors, relative_error
+from pareprop.engine.testing import engine_errors, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +107,7 @@ class Model(nn.Module):
 
 
 def test_lifetime_guard_keeps_memory_a_slowed_reader_still_needs():
-    # NOTE [ Tensor lifetimes across streams ] in engine/schedules.py. Blocks 2 and 3 are stored, so
+    # NOTE [ Tensor lifetimes across streams ] in engine/backward.py. Blocks 2 and 3 are stored, so
     # the lanes do not alternate strictly (asserted below): block 4 (side stream) hands its dY to
     # grads(3) on the main stream, whose backward first sleeps, so it reads dY late. dY is freed on
     # the host as soon as grads(3) is queued, back to the side stream's pool; the next work on the
@@ -334,7 +334,7 @@ def test_fallback_decides_on_the_device_with_exact_gradients(caplog):
     reference(x).pow(2).sum().backward()
     want = [p.grad for p in reference.parameters()]
     assert pareprop.chosen_schedule(model) == "measuring"
-    choice = model.stack._schedule
+    choice = model.stack._fallback
     passes = 2 * (choice.WARMUP + choice.TRIALS)
     with caplog.at_level(logging.INFO, logger="pareprop"):
         for _ in range(passes + 2):

@@ -1,7 +1,7 @@
 """PaReprop's lanes on the CPU: which lane each block's steps are queued on, the events each step
 waits for, the parameter aliases of recomputed blocks, and the fallback to Reprop driven by an
 injected clock. On the CPU both lanes run in program order, but the bookkeeping is the same
-code as on a GPU (NOTE [ PaReprop on two CUDA streams ] in engine/schedules.py)."""
+code as on a GPU (NOTE [ PaReprop on two CUDA streams ] in engine/backward.py)."""
 
 import copy
 import logging
@@ -12,11 +12,11 @@ import torch.nn as nn
 
 import pareprop
 from pareprop import engine as engine_module
-from pareprop.engine import MAIN_LANE, SIDE_LANE, function, schedules
+from pareprop.engine import MAIN_LANE, SIDE_LANE, backward, function
 from pareprop.engine import fallback as schedule_module
 from pareprop.engine import lanes as lanes_module
 from pareprop.engine.lanes import _block_lanes
-from pareprop.testing import relative_error
+from pareprop.engine.testing import relative_error
 
 DIM = 6
 M, S = MAIN_LANE, SIDE_LANE
@@ -98,7 +98,7 @@ def _trace_schedule(monkeypatch, model, x):
     """Runs one step, logging every recover / grads with its lane, every event marked and every
     wait: the events are named after the step queued just before the mark."""
     log = []
-    recover, grads = schedules._recover, schedules._grads
+    recover, grads = backward._recover, backward._grads
 
     def logged_recover(plan, index, *args):
         log.append(("recover", index, engine_module.current_lane()))
@@ -115,8 +115,8 @@ def _trace_schedule(monkeypatch, model, x):
         if event is not None:
             log.append(("wait", block_index, event))
 
-    monkeypatch.setattr(schedules, "_recover", logged_recover)
-    monkeypatch.setattr(schedules, "_grads", logged_grads)
+    monkeypatch.setattr(backward, "_recover", logged_recover)
+    monkeypatch.setattr(backward, "_grads", logged_grads)
     monkeypatch.setattr(lanes_module._Lanes, "mark", mark)
     monkeypatch.setattr(lanes_module._Lanes, "wait", wait)
     model(x).pow(2).sum().backward()
@@ -180,7 +180,7 @@ def test_recomputed_blocks_differentiate_parameter_aliases(monkeypatch, stored):
     real = {id(p) for p in model.parameters()}
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     checked = []
-    grads = schedules._grads
+    grads = backward._grads
 
     def checking_grads(plan, index, rebuilt, *args):
         leaves = [v for out in (rebuilt.f_out, rebuilt.g_out)
@@ -194,7 +194,7 @@ def test_recomputed_blocks_differentiate_parameter_aliases(monkeypatch, stored):
         checked.append(index)
         return grads(plan, index, rebuilt, *args)
 
-    monkeypatch.setattr(schedules, "_grads", checking_grads)
+    monkeypatch.setattr(backward, "_grads", checking_grads)
     x = torch.randn(2, 3, DIM)
     model(x).pow(2).sum().backward()
     assert checked == [2, 1, 0]
@@ -274,7 +274,7 @@ def _reference_grads(model, x):
     return [p.grad for p in reference.parameters()]
 
 
-PASSES = 2 * (schedule_module.ScheduleChoice.WARMUP + schedule_module.ScheduleChoice.TRIALS)
+PASSES = 2 * (schedule_module.PaRepropFallback.WARMUP + schedule_module.PaRepropFallback.TRIALS)
 
 
 @pytest.mark.parametrize("clock", [(10.0, 7.0)], indirect=True)
@@ -365,7 +365,7 @@ def test_a_model_measuring_can_be_deep_copied(clock):
     model = Model(3, drop=0.0)
     _steps(model, torch.randn(2, 3, DIM), 3)
     twin = copy.deepcopy(model)
-    assert twin.stack._schedule.passes == 0 and twin.stack._schedule.enabled
+    assert twin.stack._fallback.passes == 0 and twin.stack._fallback.enabled
 
 
 def test_chosen_schedule_on_the_cpu_and_without_pareprop():

@@ -9,7 +9,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import pareprop
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 SMALL = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=16, num_heads=2, num_classes=5)
 

@@ -8,9 +8,9 @@ import timm
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.layers.multiscale_attention import MultiScaleAttention
 from pareprop.models.rev_mvit import RevMViTv1Transition
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.engine import function, schedules
-from pareprop.testing import engine_errors, relative_error, worst_error
+from pareprop.engine import backward, function
+from pareprop.engine.testing import engine_errors, relative_error, worst_error
 from test_engine import DIM, TOL, MixerBlock, Model
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")  # tests/conftest.py
@@ -122,7 +122,7 @@ def test_activation_bytes_rise_with_every_stored_block_from_reversible_to_autogr
 
 def test_pareprop_schedule_with_stored_blocks(monkeypatch):
     events, alive = [], []
-    recover, grads = schedules._recover, schedules._grads
+    recover, grads = backward._recover, backward._grads
 
     def logged_recover(plan, index, *args):
         rebuilt = recover(plan, index, *args)
@@ -135,8 +135,8 @@ def test_pareprop_schedule_with_stored_blocks(monkeypatch):
         events.append(("grads", index, plan.stored[index]))
         return grads(plan, index, *args)
 
-    monkeypatch.setattr(schedules, "_recover", logged_recover)
-    monkeypatch.setattr(schedules, "_grads", logged_grads)
+    monkeypatch.setattr(backward, "_recover", logged_recover)
+    monkeypatch.setattr(backward, "_grads", logged_grads)
     model = Model(4, engine="pareprop")
     model.stack.store_blocks([1, 3])
     model(torch.randn(2, 3, DIM)).sum().backward()

@@ -10,9 +10,9 @@ import timm
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.layers.window_attention import WindowAttention, window_mask
 from pareprop.models.swin import SWIN_VARIANTS, RevSwinBlock, SwinConfig
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 

@@ -10,8 +10,8 @@ import timm
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.models.text import TEXT_VARIANTS, TextConfig
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 VOCAB = 50

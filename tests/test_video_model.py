@@ -9,9 +9,9 @@ import timm
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.layers.multiscale_attention import MultiScaleAttention
 from pareprop.models.rev_mvit_video import RevMViTVideoTransition
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 NAME = "rev_mvit_base_16x4"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import pareprop
+from pareprop.engine.testing import engine_errors
 from pareprop.models.vit import VIT_CONFIGS, RevViTBlock
-from pareprop.testing import engine_errors
 
 TOL = 1e-8
 ENGINES = ("reversible", "pareprop")

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from pareprop.convert import converted_model_name, converted_model_names
-from pareprop.engine import ENGINES, ReversibleStack, set_block_checkpointing
+from pareprop.engine import ENGINES, set_block_checkpointing, stacks_of
 from pareprop.models import create_model, is_model, unknown_model_message
 from pareprop.models.torchvision_swin import TORCHVISION_SWIN_MODELS, create_torchvision_swin
 from pareprop.models.torchvision_video import TORCHVISION_VIDEO_MODELS, create_torchvision_video
@@ -150,7 +150,7 @@ def model_facts(name: str) -> ModelFacts:
         name=name,
         source=source,
         family=type(model).__name__,
-        reversible=any(isinstance(m, ReversibleStack) for m in model.modules()),
+        reversible=bool(stacks_of(model)),
         text=input_size is not None and len(input_size) == 1,
         cfg=getattr(model, "cfg", None),
         input_size=tuple(input_size) if input_size is not None else None,

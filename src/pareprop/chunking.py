@@ -14,11 +14,11 @@ rebuild and differentiate a branch a piece at a time.
 # * samples (``Split.samples``, the batch axis): LayerNorm + attention, the F of every family,
 #   acts on each sample alone (Swin's windows and MViTv2's pooling stay inside a sample).
 #
-# Splitting attention over heads (qkv rows and projection columns per head, the outputs
-# summed) was built first and measured worse: every head chunk still makes the whole
-# LayerNorm output, its gradient and a whole-width projection output, about three stream-
-# sized maps per chunk that no head count removes; a chunk of samples shrinks all of F's
-# graph with the chunk, at no extra compute.
+# Attention is not split over heads (qkv rows and projection columns per head, the outputs
+# summed), which saves less: every head chunk still makes the whole LayerNorm output, its
+# gradient and a whole-width projection output, about three stream-sized maps per chunk that
+# no head count removes; a chunk of samples shrinks all of F's graph with the chunk, at no
+# extra compute.
 #
 # A block declares the split (``f_split`` / ``g_split``) and computes one chunk (``f_chunk`` /
 # ``g_chunk``: the branch on the chunk's slice of its input, its random draws told which slice

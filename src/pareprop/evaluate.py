@@ -32,7 +32,7 @@ from pareprop.data import (
     video_data_config,
     video_dataset,
 )
-from pareprop.engine import ReversibleStack, set_engine
+from pareprop.engine import engine_of, set_stack_engine
 
 __all__ = ["evaluate", "eval_loader", "evaluate_clips", "evaluate_video"]
 
@@ -87,13 +87,13 @@ def evaluate(
     if amp not in ("none", "bf16"):
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     if engine is not None:
-        set_engine(model, engine)
+        set_stack_engine(model, engine)
     if limit is not None and limit < 1:
         raise ValueError(f"expected limit >= 1 (or none for every image), got {limit}")
     if is_video_model(model):  # clips: 5 views per video, averaged
         result = evaluate_video(model, data_dir, batch_size=batch_size, workers=workers,
                                 amp=amp, device=device, progress=progress, limit=limit)
-        return {**result, "engine": _engine_of(model)}
+        return {**result, "engine": engine_of(model)}
     loader = eval_loader(model, data_dir, batch_size, workers, data_config)
     classes = len(loader.dataset.classes)
     num_classes = getattr(model, "num_classes", None)
@@ -136,7 +136,7 @@ def evaluate(
         "top5": 100.0 * correct5 / seen,
         "images": seen,
         "classes": classes,
-        "engine": _engine_of(model),
+        "engine": engine_of(model),
         "amp": amp,
         "seconds": time.perf_counter() - start,
         "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
@@ -256,9 +256,3 @@ def evaluate_video(
                   seconds=time.perf_counter() - start, data_config=config)
     return result
 
-
-def _engine_of(model: nn.Module) -> Optional[str]:
-    for m in model.modules():
-        if isinstance(m, ReversibleStack):
-            return m.engine
-    return None

@@ -57,7 +57,7 @@ from pareprop.bench.results import (
 )
 from pareprop.bench.sweep import run_bench, sweep_jobs
 from pareprop.catalog import engines_for
-from pareprop.engine import set_engine
+from pareprop.engine import set_stack_engine
 
 __all__ = [
     "BASELINE_ENGINES",

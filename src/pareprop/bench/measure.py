@@ -23,7 +23,7 @@ from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_p
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
-from pareprop.engine import ReversibleStack, chosen_schedule, set_chunking
+from pareprop.engine import chosen_schedule, set_chunking, stacks_of
 from pareprop.engine.compile import compile_blocks
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
@@ -337,9 +337,8 @@ def time_interleaved(jobs: Sequence[_Job]) -> List[List[float]]:
 def _force_schedule(model: nn.Module) -> None:
     """Engine "pareprop" runs PaReprop itself: a record's engine is one schedule, and the
     fallback's choice is what the pareprop and reversible records of a batch compare."""
-    for m in model.modules():
-        if isinstance(m, ReversibleStack):
-            m.set_engine(m.engine, fallback=False)
+    for _, m in stacks_of(model):
+        m.set_engine(m.engine, fallback=False)
 
 
 def _alloc_retries(device: torch.device) -> int:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from timm.layers import DropPath, Mlp
 
 import pareprop
-from pareprop.testing import engine_errors, worst_error
+from pareprop.engine.testing import engine_errors, worst_error
 
 
 class DemoBlock(pareprop.ReversibleBlock):

@@ -28,11 +28,11 @@ from pareprop.checkpoint import META, CheckpointError
 from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
+from pareprop.convert.timm_pretrained import load_timm_pretrained
 from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
 from pareprop.models.published import PretrainedError, read_state
-from pareprop.trainer.finetune import load_timm_pretrained
 
 __all__ = ["main", "build_parser"]
 

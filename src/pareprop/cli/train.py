@@ -39,10 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in digits (offline) to >= 95% validation accuracy in a few CPU minutes.",
         argument_default=argparse.SUPPRESS,
     )
-    d = TrainConfig()
     p.add_argument("--config", help="YAML or JSON file of options; flags override it")
-    p.add_argument("--model", help=f"registered model name (default {d.model})")
-    p.add_argument(
+    d, group = TrainConfig(), p.add_argument_group  # --help reads in these sections
+    _model_options(group("model", "the model and its starting weights"), d)
+    _convert_options(group("fine-tuning a converted model", "a pretrained model converted to "
+                           "a reversible coupling (pareprop.convert)"), d)
+    _engine_options(group("engine and memory", "how backward runs and what it keeps"), d)
+    _data_options(group("data"), d)
+    _optimizer_options(group("optimization"), d)
+    _run_options(group("the run", "its directory, resuming, stopping, the device and what it "
+                       "reports"), d)
+    return p
+
+
+def _model_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--model", help=f"registered model name (default {d.model})")
+    g.add_argument(
         "--model-arg",
         dest="model_args",
         action="append",
@@ -50,123 +62,137 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a model config field, e.g. --model-arg depth=6 (repeatable; values "
         "are parsed as YAML)",
     )
-    p.add_argument("--num-classes", type=int, help="classes of the model's head (with "
+    g.add_argument("--num-classes", type=int, help="classes of the model's head (with "
                    "--pretrained: a fresh head when they differ from the weights')")
-    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
+    g.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="start from the model's published weights (pareprop.trainer.finetune)")
-    p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
-                   "0.75 (timm's create_optimizer_v2; default none)")
-    p.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
-    p.add_argument(
+    g.add_argument("--pretrained-file", help="start from the weights in this file: published "
+                   "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
+                   "with --convert-from, a local copy of the timm weights (read with "
+                   "weights_only=True)")
+
+
+def _convert_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--convert-from", help="fine-tune this pretrained model converted to a "
+                   "reversible coupling (pareprop.convert): timm's vit_*, deit*, swin_*, "
+                   "swinv2_*, mvitv2_*, torchvision's swin_t/s/b, swin_v2_t/s/b, mvit_v1_b, "
+                   "mvit_v2_s, swin3d_t/s/b; from "
+                   "its library's pretrained weights; offline, give them as --pretrained-file")
+    g.add_argument("--from-scratch", action=argparse.BooleanOptionalAction,
+                   help="with --convert-from: random initial weights instead of timm's "
+                   "pretrained ones (off: timm's weights, downloaded, or --pretrained-file)")
+    g.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
+                   help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
+                   "(cosine); reversible: (0, 1) from the first step")
+    g.add_argument("--coupling-steps", type=int, help="optimizer steps the schedule takes "
+                   "(default: one epoch)")
+
+
+def _engine_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--engine", help=f"autograd, reversible or pareprop (default {d.engine})")
+    g.add_argument(
         "--memory-budget",
         help="activation memory for the reversible engines: bytes (12GiB, 8e9) or a fraction "
         "from 0 (every block recomputed) to 1 (every block stored); the blocks that save the "
         "most time per byte are stored (pareprop.set_memory_budget)",
     )
-    p.add_argument(
+    g.add_argument(
         "--grad-checkpointing",
         action=argparse.BooleanOptionalAction,
         help="run the blocks that are not reversible (MViTv2 transitions, Swin merging and "
         "fusion) under activation checkpointing: less memory, one more forward of them (off)",
     )
-    p.add_argument(
+    g.add_argument(
         "--chunk-bytes",
         help="reversible engines: rebuild and differentiate each block's branches in chunks "
         "whose graphs save at most this many bytes (256MiB, 1GiB; pareprop.set_chunking): "
         "less memory, about the same time; pareprop plan --chunk-bytes auto suggests one "
         "(default: whole branches)",
     )
-    p.add_argument(
+    g.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="torch.compile every block's F and G, used in forward and recomputation by every "
         "engine (pareprop.compile_blocks; off)",
     )
-    p.add_argument(
-        "--dataset", help="digits, cifar10, cifar100, a path to an image folder, or for a video "
-        "model a folder with train/ and val/ splits of videos (default digits)"
-    )
-    p.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
-    p.add_argument("--download", action=argparse.BooleanOptionalAction, help="fetch CIFAR")
-    p.add_argument(
-        "--augment", action=argparse.BooleanOptionalAction, help="training augmentation (on)"
-    )
-    p.add_argument("--epochs", type=int, help=f"(default {d.epochs})")
-    p.add_argument(
-        "--batch-size", type=int, help=f"global samples per optimizer step (default {d.batch_size})"
-    )
-    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    p.add_argument(
-        "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})"
-    )
-    p.add_argument(
-        "--warmup-epochs", type=float, help=f"linear warm-up length (default {d.warmup_epochs})"
-    )
-    p.add_argument("--label-smoothing", type=float, help=f"(default {d.label_smoothing})")
-    p.add_argument(
-        "--clip-grad", type=float, help=f"max gradient norm, 0 for none (default {d.clip_grad})"
-    )
-    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--amp", choices=AMP_MODES, help="autocast: none, bf16 (CPU/GPU), fp16 (GPU)")
-    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--out", help=f"run directory: checkpoints, metrics.jsonl (default {d.out})")
-    p.add_argument(
-        "--overwrite",
-        action=argparse.BooleanOptionalAction,
-        help="let a new run use an --out that holds a previous run, deleting that run's "
-        "checkpoints, links and metrics (off: such an --out is refused)",
-    )
-    p.add_argument(
-        "--resume",
-        help="continue a run: its directory (OUT) or OUT/last; the run's own options are "
-        "restored, and --epochs, --stop-after-epochs, --max-steps, --engine, the device and "
-        "the like may change (docs/training.md)",
-    )
-    p.add_argument(
-        "--eval-only",
-        action=argparse.BooleanOptionalAction,
-        help="evaluate the --resume checkpoint and exit",
-    )
-    p.add_argument("--workers", type=int, help="data loader processes (default 0)")
-    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument(
-        "--stop-after-epochs",
-        type=int,
-        help="stop after this many epochs of this invocation (resume later with --resume)",
-    )
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
-    p.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
-    )
-    p.add_argument("--log-interval", type=int, help="optimizer steps between reads of the "
-                   f"running loss from the device (default {d.log_interval})")
-    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
-                   help="write loss, accuracy, learning rate, samples/s and peak memory for "
-                   "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
-    p.add_argument("--convert-from", help="fine-tune this pretrained model converted to a "
-                   "reversible coupling (pareprop.convert): timm's vit_*, deit*, swin_*, "
-                   "swinv2_*, mvitv2_*, torchvision's swin_t/s/b, swin_v2_t/s/b, mvit_v1_b, "
-                   "mvit_v2_s, swin3d_t/s/b; from "
-                   "its library's pretrained weights; offline, give them as --pretrained-file")
-    p.add_argument("--pretrained-file", help="start from the weights in this file: published "
-                   "layouts (PySlowFast, mmpretrain), .safetensors or a pareprop checkpoint; "
-                   "with --convert-from, a local copy of the timm weights (read with "
-                   "weights_only=True)")
-    p.add_argument("--from-scratch", action=argparse.BooleanOptionalAction,
-                   help="with --convert-from: random initial weights instead of timm's "
-                   "pretrained ones (off: timm's weights, downloaded, or --pretrained-file)")
-    p.add_argument("--coupling-schedule", choices=("linear", "cosine", "reversible"),
-                   help="from the pretrained network (1, 0) to the reversible coupling (0, 1) "
-                   "(cosine); reversible: (0, 1) from the first step")
-    p.add_argument("--coupling-steps", type=int, help="optimizer steps the schedule takes "
-                   "(default: one epoch)")
-    p.add_argument(
+    g.add_argument("--amp", choices=AMP_MODES, help="autocast: none, bf16 (CPU/GPU), fp16 (GPU)")
+    g.add_argument(
         "--fsdp",
         action=argparse.BooleanOptionalAction,
         help="under torchrun, shard parameters, gradients and optimizer state over the "
         "processes with FSDP2 (one unit per block) instead of replicating them with DDP (off)",
     )
-    return p
+
+
+def _data_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument(
+        "--dataset", help="digits, cifar10, cifar100, a path to an image folder, or for a video "
+        "model a folder with train/ and val/ splits of videos (default digits)"
+    )
+    g.add_argument("--data-dir", help=f"where CIFAR lives or is downloaded (default {d.data_dir})")
+    g.add_argument("--download", action=argparse.BooleanOptionalAction, help="fetch CIFAR")
+    g.add_argument(
+        "--augment", action=argparse.BooleanOptionalAction, help="training augmentation (on)"
+    )
+    g.add_argument("--workers", type=int, help="data loader processes (default 0)")
+
+
+def _optimizer_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--epochs", type=int, help=f"(default {d.epochs})")
+    g.add_argument(
+        "--batch-size", type=int, help=f"global samples per optimizer step (default {d.batch_size})"
+    )
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    g.add_argument(
+        "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})"
+    )
+    g.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay, e.g. "
+                   "0.75 (timm's create_optimizer_v2; default none)")
+    g.add_argument(
+        "--warmup-epochs", type=float, help=f"linear warm-up length (default {d.warmup_epochs})"
+    )
+    g.add_argument("--label-smoothing", type=float, help=f"(default {d.label_smoothing})")
+    g.add_argument(
+        "--clip-grad", type=float, help=f"max gradient norm, 0 for none (default {d.clip_grad})"
+    )
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--seed", type=int, help=f"(default {d.seed})")
+
+
+def _run_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--out", help=f"run directory: checkpoints, metrics.jsonl (default {d.out})")
+    g.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        help="let a new run use an --out that holds a previous run, deleting that run's "
+        "checkpoints, links and metrics (off: such an --out is refused)",
+    )
+    g.add_argument(
+        "--resume",
+        help="continue a run: its directory (OUT) or OUT/last; the run's own options are "
+        "restored, and --epochs, --stop-after-epochs, --max-steps, --engine, the device and "
+        "the like may change (docs/training.md)",
+    )
+    g.add_argument(
+        "--eval-only",
+        action=argparse.BooleanOptionalAction,
+        help="evaluate the --resume checkpoint and exit",
+    )
+    g.add_argument(
+        "--stop-after-epochs",
+        type=int,
+        help="stop after this many epochs of this invocation (resume later with --resume)",
+    )
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
+    g.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, help="progress bar per epoch (on)"
+    )
+    g.add_argument("--log-interval", type=int, help="optimizer steps between reads of the "
+                   f"running loss from the device (default {d.log_interval})")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="write loss, accuracy, learning rate, samples/s and peak memory for "
+                   "TensorBoard into OUT/tensorboard (needs the tensorboard package; off)")
 
 
 def _load_file(path: str) -> Dict[str, Any]:

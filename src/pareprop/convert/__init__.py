@@ -8,6 +8,7 @@ One room for every conversion:
 * ``coupling``: :func:`set_coupling` and :class:`CouplingSchedule`, which move (alpha, beta);
 * ``precision_guard``: stores the blocks a small skip scale cannot rebuild;
 * ``weights``: a source's weights from a local file, in its publisher's layout;
+* ``timm_pretrained``: timm's pretrained weights of a source, loaded into its converted model;
 * ``stages``: a multi-scale source's blocks as runs of reversible stacks and the blocks kept;
 * one module per source family: ``vit`` (timm's VisionTransformer), ``swin`` (timm's
   SwinTransformer and SwinTransformerV2), ``torchvision_swin`` (torchvision's 2-D

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack, skip_scale_value
+from pareprop.engine import ReversibleStack, skip_scale_value, stacks_of
 
 __all__ = [
     "SCHEDULES", "CouplingSchedule", "check_coupling", "coupling_of", "coupling_pair",
@@ -27,11 +27,10 @@ SCHEDULES = ("linear", "cosine", "reversible")
 
 def _coupled_blocks(model: nn.Module) -> List[Tuple[ReversibleStack, List[nn.Module]]]:
     found = []
-    for m in model.modules():
-        if isinstance(m, ReversibleStack):
-            blocks = [b for b in m.blocks if hasattr(b, "set_alpha")]
-            if blocks:
-                found.append((m, blocks))
+    for _, m in stacks_of(model):
+        blocks = [b for b in m.blocks if hasattr(b, "set_alpha")]
+        if blocks:
+            found.append((m, blocks))
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no converted blocks, so no coupling to set: "

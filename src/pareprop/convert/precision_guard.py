@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack, skip_scale, skip_scale_value
+from pareprop.engine import ReversibleStack, skip_scale, skip_scale_value, stacks_of
 
 __all__ = ["GuardReport", "PrecisionGuard", "measure_rebuild_errors"]
 
@@ -200,7 +200,7 @@ class PrecisionGuard:
         self.tolerance = float(tolerance)
         self.every = int(every)
         self.beta_step = float(beta_step)
-        self.stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+        self.stacks = [m for _, m in stacks_of(model)]
         if not self.stacks:
             raise ValueError("model has no ReversibleStack to guard")
         self.reports: List[Optional[GuardReport]] = [None] * len(self.stacks)

@@ -76,7 +76,7 @@ NOTE [ FSDP prefetch on the waiting lane ]
     copy-in, all-gather wait and copy-out all on one stream, whose later work runs after them.
     That lane first waits for the current one (where recover(l) has just waited for the step
     before it), so the buffer it allocates is ordered like recover's own allocations (NOTE
-    [ Tensor lifetimes across streams ] in engine/schedules.py); that wait costs nothing, since the
+    [ Tensor lifetimes across streams ] in engine/backward.py); that wait costs nothing, since the
     lower lane's next work, grads(l+1), waits for the same events anyway. The prefetch still
     overlaps: its copy-in is a small kernel queued on the lower lane before grads(l+1), and the
     all-gather itself runs on the process group's own stream, alongside recover(l) and
@@ -94,9 +94,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from pareprop.engine import ReversibleBlock, ReversibleStack
+from pareprop.engine import BlockSharding, ReversibleBlock, ReversibleStack, stacks_of
 
-__all__ = ["shard", "fsdp_available", "is_wrapper"]
+__all__ = ["shard", "fsdp_available", "is_sharded", "is_wrapper"]
 
 # Norm layers stay with their parent's unit: a unit per LayerNorm costs a collective for a few
 # hundred numbers.
@@ -131,6 +131,15 @@ def is_wrapper(m: nn.Module) -> bool:
         pass
     # FSDP2 (fully_shard) turns modules into subclasses named FSDP<Class>.
     return type(m).__name__.startswith("FSDP") and type(m).__name__ != "FSDPModule"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True if ``model`` is an FSDP2 module (``fully_shard`` / :func:`shard` applied)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def _fully_shard():
@@ -213,8 +222,9 @@ def _post_backward(block: nn.Module) -> bool:
 ENABLE_EARLY_REDUCE = True
 
 
-class _BlockSharding:
-    """What a sharded :class:`ReversibleStack`'s engine asks of FSDP, block by block."""
+class _BlockSharding(BlockSharding):
+    """What a sharded :class:`ReversibleStack`'s engine asks of FSDP, block by block (the
+    engine's :class:`~pareprop.engine.BlockSharding`)."""
 
     def __init__(self, blocks: List[nn.Module], reshard_after_forward: bool):
         self.blocks = blocks
@@ -277,7 +287,7 @@ def _units(module: nn.Module, methods_gather: bool = True) -> List[nn.Module]:
     for child in module.children():
         if isinstance(child, ReversibleStack):
             continue
-        holds_stack = any(isinstance(m, ReversibleStack) for m in child.modules())
+        holds_stack = bool(stacks_of(child))
         if holds_stack or isinstance(child, _CONTAINERS):
             units += _units(child, methods_gather)
         elif (
@@ -326,7 +336,7 @@ def shard(
         kwargs["mesh"] = mesh
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for stack in [m for m in model.modules() if isinstance(m, ReversibleStack)]:
+    for _, stack in stacks_of(model):
         blocks = list(stack.blocks)
         for block in blocks:
             if not isinstance(block, ReversibleBlock):

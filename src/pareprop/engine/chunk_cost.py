@@ -45,11 +45,9 @@ Tensor = torch.Tensor
 # (the largest peak of the rest) and, when its length is not the second's, the last (what the
 # loop leaves when it ends; traced after the second, whose leftovers are no smaller than those
 # it follows in the whole loop, it still peaks no higher than the second). The plan's peak is
-# exactly the full trace's
-# (tests/test_memory.py compares every figure on every family, with chunks of two lengths).
-# Fake tensors hold no values, so the chunks left out change nothing else. Until 2026-12-04 a
-# plan traced one chunk of each (previous length, length) pair, up to four; three cut a
-# Rev-MViTv2-B plan in chunks of 1/32 from 8.1 to 6.2 s. The checkpointed blocks of
+# exactly the full trace's (tests/test_memory.py compares every figure on every family, with
+# chunks of two lengths). Fake tensors hold no values, so the chunks left out change nothing
+# else. The checkpointed blocks of
 # pareprop.engine.recompute keep every chunk's output until they are joined, and every chunk's
 # input gradient until the last is done, so there the chunks differ by what came before: see
 # NOTE [ Planning checkpointed chunks ] in that module.
@@ -163,22 +161,21 @@ def parse_bytes(text: Union[int, float, str]) -> int:
 # ``fixed + per_unit * units``. The hook must hold every saved tensor until the count is done:
 # a storage freed in the middle of the measurement (the graph itself keeps nothing, so an MLP's
 # first hidden map dies once its activation has run) can hand its address to the next one, and
-# two maps of one shape at one address counted once made the two-unit graph look no larger
-# than the one-unit graph. The fit then read "nothing per unit", and the branch ran whole: on
-# CUDA at Rev-ViT-B batch 4000 one block's G did, holding two whole-batch MLP maps (4.5 GiB
-# each; issue 31). A fit that is not increasing is refused in :func:`linear_cost` for the same
-# reason: a branch asked to chunk never silently runs whole.
+# two maps of one shape at one address counted once would make the two-unit graph look no
+# larger than the one-unit graph. The fit would then read "nothing per unit", and the branch
+# would run whole, holding two whole-batch MLP maps (4.5 GiB each for Rev-ViT-B's G at batch
+# 4000). A fit that is not increasing is refused in :func:`linear_cost` for the same reason: a
+# branch asked to chunk never silently runs whole.
 #
 # NOTE [ Counting a chunk by storage ]
 # What a saved tensor keeps alive is its storage, whole, not its numel: attention's q, k and v
 # are views of one qkv storage (a reshape, a permute and an unbind of one projection), and each
-# holds all three. Until issue 38 the count was keyed by storage and shape and took each view's
-# numel, so q, k and v, alike in shape, counted as one third of their storage (the toy
-# attention F of tests/test_chunk_cost.py: 12,544 bytes counted against 16,640 held), and
-# under ``max_bytes="1GiB"`` a Rev-ViT-B F chunk in bf16 held about 1.4 GiB (issue 38).
-# Plans were right all along (they trace allocations, not this count), but ``max_bytes`` was
-# no cap. Now each storage is counted once, at its ``nbytes``, whatever its views: a chunk's
-# count is at least what its graph holds.
+# holds all three. A count keyed by storage and shape that took each view's numel would count
+# q, k and v, alike in shape, as one third of their storage (the toy attention F of
+# tests/test_chunk_cost.py: 12,544 bytes counted against 16,640 held), and ``max_bytes`` would
+# be no cap (a Rev-ViT-B F chunk in bf16 under ``max_bytes="1GiB"`` would hold about 1.4 GiB).
+# So each storage is counted once, at its ``nbytes``, whatever its views: a chunk's count is
+# at least what its graph holds. (Plans do not depend on this count: they trace allocations.)
 
 
 def graph_bytes(build: Callable[[], Tuple[Tensor, Sequence[Tensor]]],

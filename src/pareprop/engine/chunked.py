@@ -8,6 +8,7 @@ backward, so one chunk's graph is alive at a time instead of a block's two whole
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -65,12 +66,12 @@ def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
     """``beta * skip + branch(x)`` in forward, in chunks where the branch has more than one."""
     block = plan.blocks[index]
     beta = skip_scale(block)
-    split, count = _branch_chunking(plan, index, name, x, rng)
-    if split is None or count == 1:  # as _couple does it
+    branch = _branch(plan, index, name, x, rng)
+    if branch.whole:  # as _couple does it
         rng.restore(plan.device)  # measuring the chunk cost (chunking by bytes) has drawn
         return _skip(beta, skip) + _call_checked(block, name, x, plan.kwargs)
     out = skip.clone() if beta is None else beta * skip
-    _run_chunks(plan, index, name, x, split, count, rng, add_into=out)
+    _run_chunks(plan, branch, _ChunkTargets(add_into=out))
     return out
 
 
@@ -117,10 +118,49 @@ def _add_branch(plan: "_Plan", index: int, name: str, x: Tensor, skip: Tensor,
 # block l still reads: a chunked block would be rebuilt once without a graph into new maps,
 # and then once more, chunk by chunk, with a graph to differentiate (a depth-3 Rev-ViT with 2
 # chunks ran its branches' chunks 22 times in backward against Reprop's 12), holding more
-# stream maps than Reprop to do so; it measured 0.82-0.87x chunked Reprop's speed on an H200
-# (2026-12-04), and the largest batches where chunking matters fill the device with one block
-# anyway. So a chunked stack under "pareprop" runs Reprop's schedule, in place, and
-# :func:`schedule_reasons` says so.
+# stream maps than Reprop to do so and running slower than chunked Reprop (BENCHMARKS.md),
+# and the largest batches where chunking matters fill the device with one block anyway. So a
+# chunked stack under "pareprop" runs Reprop's schedule, in place, and :func:`schedule_reasons`
+# says so.
+
+
+@dataclass
+class _Branch:
+    """Branch ``name`` (``"f"`` or ``"g"``) of block ``index`` on input ``x``, as it runs in
+    chunks: its split (None: whole), its chunk count, and the generator state every chunk
+    starts from."""
+
+    index: int
+    name: str
+    x: Tensor
+    split: Optional[Split]
+    count: int
+    rng: _RngState
+
+    @property
+    def whole(self) -> bool:
+        return self.split is None or self.count == 1
+
+
+@dataclass
+class _ChunkTargets:
+    """Where each chunk's results go: its output is subtracted from ``subtract_from`` or added
+    into ``add_into``; with ``grad_out`` each chunk is backpropagated at once, its input
+    gradient added into ``grad_into`` and its parameter gradients into ``param_grads`` (the
+    indices summed so far in ``sums``)."""
+
+    subtract_from: Optional[Tensor] = None
+    add_into: Optional[Tensor] = None
+    grad_out: Optional[Tensor] = None
+    grad_into: Optional[Tensor] = None
+    param_grads: Optional[List[Optional[Tensor]]] = None
+    sums: Optional[Set[int]] = None
+
+
+def _branch(plan: _Plan, index: int, name: str, x: Tensor, rng: _RngState) -> _Branch:
+    """Branch ``name`` of block ``index`` on ``x``, with its split and chunk count."""
+    split, count = _branch_chunking(plan, index, name, x, rng)
+    return _Branch(index, name, x, split, count, rng)
 
 
 def _branch_chunking(
@@ -181,49 +221,35 @@ def _chunk_input(x: Tensor, split: Optional[Split], chunk: Optional[Chunk]) -> T
     return chunk.take(x, split.dim)
 
 
-def _run_chunks(
-    plan: _Plan,
-    index: int,
-    name: str,
-    x: Tensor,
-    split: Optional[Split],
-    count: int,
-    rng: _RngState,
-    subtract_from: Optional[Tensor] = None,
-    add_into: Optional[Tensor] = None,
-    grad_out: Optional[Tensor] = None,
-    grad_into: Optional[Tensor] = None,
-    param_grads: Optional[List[Optional[Tensor]]] = None,
-    sums: Optional[Set[int]] = None,
-) -> None:
-    """Branch ``name`` of block ``index`` on ``x``, chunk by chunk: each chunk's output is
-    subtracted from ``subtract_from`` or added into ``add_into``; with ``grad_out`` each chunk
-    is backpropagated at once, its input gradient added into ``grad_into`` and its parameter
-    gradients into ``param_grads``, and its graph freed before the next chunk."""
-    block = plan.blocks[index]
-    owned = plan.block_params[index]
+def _run_chunks(plan: _Plan, branch: _Branch, to: _ChunkTargets) -> None:
+    """``branch`` chunk by chunk, each chunk's results into ``to``; with a gradient to
+    propagate, each chunk's graph is freed before the next chunk is built."""
+    block, split = plan.blocks[branch.index], branch.split
+    owned = plan.block_params[branch.index]
     params = [p for _, p in owned]
     # All chunks, or while planning those that can set a new peak (NOTE [ Planning a chunked
     # branch from its distinct chunks ] in chunk_cost.py).
-    pieces = [None] if split is None or count == 1 else distinct_chunks(chunks(split.size, count))
-    accumulate = grad_out is not None and len(pieces) > 1
-    with _accumulating(plan, index, params) if accumulate else contextlib.nullcontext() as leaves:
+    pieces = [None] if branch.whole else distinct_chunks(chunks(split.size, branch.count))
+    backward = to.grad_out is not None
+    accumulate = backward and len(pieces) > 1
+    with (_accumulating(plan, branch.index, params) if accumulate
+          else contextlib.nullcontext()) as leaves:
         for chunk in pieces:
-            rng.restore(plan.device)
-            with torch.set_grad_enabled(grad_out is not None):
-                leaf = _chunk_input(x, split, chunk).detach()
-                if grad_out is not None:
+            branch.rng.restore(plan.device)
+            with torch.set_grad_enabled(backward):
+                leaf = _chunk_input(branch.x, split, chunk).detach()
+                if backward:
                     leaf.requires_grad_(True)
-                out = _call_checked(block, name, leaf, plan.kwargs, chunk)
-            if subtract_from is not None:
+                out = _call_checked(block, branch.name, leaf, plan.kwargs, chunk)
+            if to.subtract_from is not None:
                 with torch.no_grad():
-                    _chunk_input(subtract_from, split, chunk).sub_(out)
-            if add_into is not None:
+                    _chunk_input(to.subtract_from, split, chunk).sub_(out)
+            if to.add_into is not None:
                 with torch.no_grad():
-                    _chunk_input(add_into, split, chunk).add_(out)
-            if grad_out is None:
+                    _chunk_input(to.add_into, split, chunk).add_(out)
+            if not backward:
                 continue
-            part = _chunk_input(grad_out, split, chunk)
+            part = _chunk_input(to.grad_out, split, chunk)
             if accumulate:  # parameter gradients accumulate in the leaves' .grad
                 if out.requires_grad:
                     torch.autograd.backward(out, part.to(out.dtype), inputs=[leaf, *leaves])
@@ -231,12 +257,12 @@ def _run_chunks(
             else:
                 grad_in, *grads = _vjp(out, [leaf, *params], part)
             del out, leaf  # the chunk's graph is gone; its gradients remain
-            into = _chunk_input(grad_into, split, chunk)
+            into = _chunk_input(to.grad_into, split, chunk)
             if grad_in is not None:
                 into.add_(grad_in)
-            _add_param_grads(owned, grads, param_grads, sums)
+            _add_param_grads(owned, grads, to.param_grads, to.sums)
         if accumulate:
-            _add_param_grads(owned, [t.grad for t in leaves], param_grads, sums)
+            _add_param_grads(owned, [t.grad for t in leaves], to.param_grads, to.sums)
 
 
 # NOTE [ Parameter gradients of chunks ]
@@ -289,20 +315,20 @@ def _block_chunked(
     dy1_total = dy1 if in_place else dy1.clone()
     with plan.autocast.replay(), plan.backends.replay(), record.modes.replay(), \
             _forward_parameters(plan, index):
-        split, count = _branch_chunking(plan, index, "g", streams[0], record.g_rng)
         # Y2 = beta X2 + G(Y1): X2 is rebuilt into Y2, dY2 flows into G, whose input gradient
         # joins dY1.
-        _run_chunks(plan, index, "g", streams[0], split, count, record.g_rng, subtract_from=x2,
-                    grad_out=dy2, grad_into=dy1_total, param_grads=param_grads, sums=sums)
+        _run_chunks(plan, _branch(plan, index, "g", streams[0], record.g_rng),
+                    _ChunkTargets(subtract_from=x2, grad_out=dy2, grad_into=dy1_total,
+                                  param_grads=param_grads, sums=sums))
         _unskip_(beta, x2)
         x1 = streams[0] if in_place else streams[0].clone()
         streams[0] = None
         dx2 = _skip_(beta, dy2 if in_place else dy2.clone())
-        split, count = _branch_chunking(plan, index, "f", x2, record.f_rng)
         # Y1 = beta X1 + F(X2): X1 is rebuilt into Y1, the total dY1 flows into F, whose input
         # gradient joins beta dY2.
-        _run_chunks(plan, index, "f", x2, split, count, record.f_rng, subtract_from=x1,
-                    grad_out=dy1_total, grad_into=dx2, param_grads=param_grads, sums=sums)
+        _run_chunks(plan, _branch(plan, index, "f", x2, record.f_rng),
+                    _ChunkTargets(subtract_from=x1, grad_out=dy1_total, grad_into=dx2,
+                                  param_grads=param_grads, sums=sums))
         _unskip_(beta, x1)
         _skip_(beta, dy1_total)  # dX1 = beta dY1', once F has read dY1'
     if record.inputs is not None:

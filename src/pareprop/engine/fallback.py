@@ -4,7 +4,7 @@ NOTE [ PaReprop's fallback to Reprop ]
     PaReprop overlaps rebuilding block l-1 with block l's gradients on a second CUDA stream.
     Whether that pays depends on the GPU, the model and the batch: at large batches one block's
     kernels already fill the device, and the second stream's allocator pool (NOTE [ PaReprop on
-    two CUDA streams ] in engine/schedules.py) can push a step near capacity into the caching
+    two CUDA streams ] in engine/backward.py) can push a step near capacity into the caching
     allocator's out-of-memory retry (free the cache with a device sync, allocate again). So each
     stack under "pareprop" measures both schedules on its first backward passes and keeps the
     faster:
@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["SCHEDULES", "ScheduleChoice", "clock_for"]
+__all__ = ["SCHEDULES", "PaRepropFallback", "clock_for"]
 
 SCHEDULES = ("pareprop", "reversible")
 
@@ -75,7 +75,7 @@ class _Trial:
     ms: Optional[float] = None
 
 
-class ScheduleChoice:
+class PaRepropFallback:
     """One stack's choice between PaReprop and Reprop (NOTE [ PaReprop's fallback to Reprop ])."""
 
     WARMUP = 1  # untimed passes of each schedule

@@ -8,13 +8,13 @@ from typing import List, Optional
 
 import torch
 
+from pareprop.engine.backward import _backward_in_order, _backward_pareprop
 from pareprop.engine.block import _skip, skip_scale
 from pareprop.engine.chunked import _couple_chunked
 from pareprop.engine.forward import _couple
 from pareprop.engine.plan import _block_params, _BlockRecord, _Plan
 from pareprop.engine.rebuild import _store
 from pareprop.engine.replay import _RngState
-from pareprop.engine.schedules import _backward_in_order, _backward_pareprop
 
 Tensor = torch.Tensor
 
@@ -105,8 +105,8 @@ class _ReversibleFunction(torch.autograd.Function):
         schedule, trial = "reversible", None
         # A chunked stack runs Reprop's schedule (NOTE [ Chunking runs Reprop ] in chunked.py).
         if plan.engine == "pareprop" and plan.chunking is None:
-            schedule, trial = (("pareprop", None) if plan.schedule is None
-                               else plan.schedule.begin(plan.device))
+            schedule, trial = (("pareprop", None) if plan.fallback is None
+                               else plan.fallback.begin(plan.device))
         try:
             if schedule == "pareprop":
                 dx1, dx2 = _backward_pareprop(plan, streams, dy1, dy2, param_grads)
@@ -116,5 +116,5 @@ class _ReversibleFunction(torch.autograd.Function):
             if entry is not None:
                 entry.restore(plan.device)
             if trial is not None:
-                plan.schedule.end(trial)
+                plan.fallback.end(trial)
         return (None, dx1, dx2, *param_grads)

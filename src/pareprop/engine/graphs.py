@@ -1,5 +1,5 @@
 """CUDA graphs of a stack's training step: its forward and its backward, each replayed in one
-launch, so that the host stops setting the pace at small batches (issue 31 item 3).
+launch, so that the host stops setting the pace at small batches.
 
 NOTE [ CUDA graphs of a stack ]
     At small per-GPU batches a step is host-bound: the device finishes each kernel before the

@@ -3,7 +3,7 @@
 Which block runs on which lane (:func:`_block_lanes`), the streams behind the lanes
 (:class:`_Lanes`; program order on the CPU), and the parameter aliases that keep every autograd
 node of a recomputed block on its own lane. The schedule that uses them, and why the main
-stream is a lane: NOTE [ PaReprop on two CUDA streams ] in pareprop/engine/schedules.py.
+stream is a lane: NOTE [ PaReprop on two CUDA streams ] in pareprop/engine/backward.py.
 """
 
 from __future__ import annotations

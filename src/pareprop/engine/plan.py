@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from pareprop.engine.block import ReversibleBlock
 from pareprop.engine.chunk_cost import Chunking
-from pareprop.engine.fallback import ScheduleChoice
+from pareprop.engine.fallback import PaRepropFallback
 from pareprop.engine.replay import (
     _AutocastState,
     _BackendState,
@@ -24,6 +24,7 @@ from pareprop.engine.replay import (
     _ModeState,
     _RngState,
 )
+from pareprop.engine.sharding import BlockSharding
 
 Tensor = torch.Tensor
 
@@ -72,7 +73,7 @@ class _Plan:
     # FSDP2: gathers each block around its forward and recomputation and hands its parameter
     # gradients to FSDP; None when the stack is not sharded (NOTE [ FSDP2 and reversible blocks ]
     # in distributed/fsdp.py). A sharded stack's block_params are filled in forward, per block.
-    sharding: Optional[Any] = None
+    sharding: Optional[BlockSharding] = None
     # Chunked backward of the recomputed blocks (NOTE [ Chunked backward ] in chunked.py); None:
     # whole branches.
     chunking: Optional[Chunking] = None
@@ -83,7 +84,7 @@ class _Plan:
     outputs: Optional[List[Tensor]] = None
     output_versions: Tuple[int, ...] = ()
     # Under "pareprop": the stack's choice between PaReprop and Reprop (engine/fallback.py).
-    schedule: Optional[ScheduleChoice] = None
+    fallback: Optional[PaRepropFallback] = None
     # In a step captured as CUDA graphs: the branches' random streams (_CudaBranchRng, or its
     # CPU stand-in), which forward and recomputation draw from; None outside one.
     graph_rng: Optional[Any] = None

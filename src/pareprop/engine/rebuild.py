@@ -2,7 +2,7 @@
 
 recover(l) rebuilds block l's local graphs and inputs from its outputs (a stored block hands
 over the graphs it built in forward); grads(l) backpropagates through them. Both engines are
-schedules of these two steps (:mod:`pareprop.engine.schedules`); chunked blocks do the same a
+schedules of these two steps (:mod:`pareprop.engine.backward`); chunked blocks do the same a
 chunk at a time (:mod:`pareprop.engine.chunked`).
 """
 

@@ -14,12 +14,13 @@ from torch.utils.checkpoint import checkpoint
 
 from pareprop.engine.block import ReversibleBlock, skip_scale
 from pareprop.engine.chunk_cost import Chunking, parse_chunking
-from pareprop.engine.fallback import ScheduleChoice
+from pareprop.engine.fallback import PaRepropFallback
 from pareprop.engine.forward import _couple
 from pareprop.engine.function import _ReversibleFunction
 from pareprop.engine.graphs import _StackGraphs, check_capturable
 from pareprop.engine.plan import _block_params, _ParamLocation, _Plan
 from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendState, _KeywordVersions
+from pareprop.engine.sharding import BlockSharding
 
 ENGINES = ("autograd", "reversible", "pareprop")
 
@@ -88,7 +89,7 @@ class ReversibleStack(nn.Module):
         self._cuda_graphs: Optional[_StackGraphs] = None
         self._graph_rng: Optional[Any] = None
         # Under "pareprop": PaReprop or Reprop, measured on the first backward passes.
-        self._schedule = ScheduleChoice(
+        self._fallback = PaRepropFallback(
             f"a ReversibleStack of {len(self.blocks)} {type(self.blocks[0]).__name__} blocks")
         self.set_engine(engine)
         self._debug_tolerance: Optional[float] = None
@@ -98,9 +99,9 @@ class ReversibleStack(nn.Module):
         # Called around each stored block's forward (block index, its X1) -> a context; set
         # only while pareprop.memory.budget measures blocks.
         self.probe: Optional[Callable[[int, Tensor], contextlib.AbstractContextManager]] = None
-        # Set by pareprop.distributed.fsdp.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
-        # reversible blocks ] in pareprop/distributed/fsdp.py); None: the stack is not sharded.
-        self.sharding: Optional[Any] = None
+        # Set by pareprop.distributed.shard when every block is an FSDP2 unit (NOTE [ FSDP2 and
+        # reversible blocks ] in distributed/fsdp.py); None: the stack is not sharded.
+        self.sharding: Optional[BlockSharding] = None
         self.chunking: Optional[Chunking] = None
         # Measured chunk costs for chunking by bytes (not state: they depend on the input).
         self._chunk_costs: Dict[Any, Tuple[float, float]] = {}
@@ -128,8 +129,8 @@ class ReversibleStack(nn.Module):
         if graphs:
             check_capturable(self, "this ReversibleStack")
         if fallback is not None:
-            self._schedule.enabled = bool(fallback)
-        self._schedule.reset()
+            self._fallback.enabled = bool(fallback)
+        self._fallback.reset()
         if name != "autograd":
             found = _running_stat_modules(self.blocks)
             if found:
@@ -153,7 +154,7 @@ class ReversibleStack(nn.Module):
         return "off" if self._cuda_graphs is None else self._cuda_graphs.status()
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        self._schedule.reset()  # another device or dtype: PaReprop and Reprop measured again
+        self._fallback.reset()  # another device or dtype: PaReprop and Reprop measured again
         if self._cuda_graphs is not None:  # and captured again, on the new tensors
             self._cuda_graphs.reset()
         return super()._apply(fn, recurse)
@@ -173,7 +174,7 @@ class ReversibleStack(nn.Module):
                 raise IndexError(f"block index {i} out of range for a stack of {depth} blocks")
             chosen.add(i % depth)
         if tuple(sorted(chosen)) != getattr(self, "stored_blocks", ()):
-            self._schedule.reset()  # stored blocks change what PaReprop overlaps
+            self._fallback.reset()  # stored blocks change what PaReprop overlaps
             if self._cuda_graphs is not None:  # and what a captured step runs
                 self._cuda_graphs.reset()
         self.stored_blocks = tuple(sorted(chosen))
@@ -233,7 +234,7 @@ class ReversibleStack(nn.Module):
             if self.engine != "autograd":  # a replay skips _forward_reversible's check
                 _forward_betas(self.blocks, [i in self.stored_blocks
                                              for i in range(len(self.blocks))])
-            return self._cuda_graphs.run(self, x1, x2, kwargs, self._schedule.label)
+            return self._cuda_graphs.run(self, x1, x2, kwargs, self._fallback.label)
         return self._run(x1, x2, kwargs)
 
     def _run(self, x1: Tensor, x2: Tensor, kwargs: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
@@ -289,7 +290,7 @@ class ReversibleStack(nn.Module):
             chunking=self.chunking,
             chunk_costs=self._chunk_costs,
             # Under CUDA graphs the schedule named runs as it is (NOTE [ CUDA graphs of a stack ]).
-            schedule=self._schedule if self._cuda_graphs is None else None,
+            fallback=self._fallback if self._cuda_graphs is None else None,
             graph_rng=self._graph_rng,
         )
         # Backward fills the plan's list in place, so the stack sees the errors when it ends.
@@ -400,7 +401,20 @@ def _check_constants(kwargs: Dict[str, Any]) -> None:
             )
 
 
-def set_engine(
+def stacks_of(module: nn.Module) -> List[Tuple[str, ReversibleStack]]:
+    """Every :class:`ReversibleStack` inside ``module`` (``module`` itself included), with its
+    path, in module order: the one scan every model-wide setter and report goes through."""
+    return [(path, m) for path, m in module.named_modules() if isinstance(m, ReversibleStack)]
+
+
+def engine_of(module: nn.Module) -> Optional[str]:
+    """The engine the reversible stacks inside ``module`` run, when they share one; None for a
+    module without a stack, or whose stacks run different engines."""
+    engines = {m.engine for _, m in stacks_of(module)}
+    return engines.pop() if len(engines) == 1 else None
+
+
+def set_stack_engine(
     module: nn.Module, name: str, fallback: Optional[bool] = None,
     cuda_graphs: Optional[bool] = None,
 ) -> nn.Module:
@@ -425,14 +439,14 @@ def set_engine(
         raise TypeError(f"fallback must be True, False or None, got {fallback!r}")
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
-    stacks = [(path, m) for path, m in module.named_modules() if isinstance(m, ReversibleStack)]
+    stacks = stacks_of(module)
     for path, m in stacks:  # checked before any stack changes
         if cuda_graphs or (cuda_graphs is None and m.cuda_graphs):
             _check_fallback(True, fallback)
             check_capturable(m, _stack_label(path, m))
     for path, m in stacks:
         m.set_engine(name, fallback, cuda_graphs)
-        m._schedule.label = _stack_label(path, m)
+        m._fallback.label = _stack_label(path, m)
     return module
 
 
@@ -463,8 +477,8 @@ def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
     """For each stack under engine ``"pareprop"`` inside ``module`` (by its path): what it runs
     in backward (as :func:`chosen_schedule` says) and why, in a line."""
     reasons = {}
-    for path, m in module.named_modules():
-        if isinstance(m, ReversibleStack) and m.engine == "pareprop":
+    for path, m in stacks_of(module):
+        if m.engine == "pareprop":
             if m.chunking is not None:
                 reasons[path] = ("reversible", "chunked branches run Reprop's schedule: chunking "
                                  "is for memory, PaReprop for idle device time (NOTE [ Chunking "
@@ -476,8 +490,8 @@ def schedule_reasons(module: nn.Module) -> Dict[str, Tuple[str, str]]:
                                  "Reprop's)")
                 continue
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
-            m._schedule.label = _stack_label(path, m)
-            reasons[path] = (m._schedule.state(device), m._schedule.reason(device))
+            m._fallback.label = _stack_label(path, m)
+            reasons[path] = (m._fallback.state(device), m._fallback.reason(device))
     return reasons
 
 
@@ -500,9 +514,8 @@ def set_block_checkpointing(module: nn.Module, enable: bool = True) -> nn.Module
     inside ``module`` in ``torch.utils.checkpoint`` (non-reentrant), as timm's
     ``set_grad_checkpointing()`` does for its blocks; see NOTE [ Checkpointed blocks: the
     competitor ]. Returns ``module``."""
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.checkpoint_blocks = bool(enable)
+    for _, m in stacks_of(module):
+        m.checkpoint_blocks = bool(enable)
     return module
 
 
@@ -515,12 +528,10 @@ def set_chunking(
     ``module``."""
     # Checked once, before any stack changes.
     if parse_chunking(chunks, max_bytes) is not None:
-        for path, m in module.named_modules():
-            if isinstance(m, ReversibleStack):
-                _check_splits(m, path)
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.set_chunking(chunks=chunks, max_bytes=max_bytes)
+        for path, m in stacks_of(module):
+            _check_splits(m, path)
+    for _, m in stacks_of(module):
+        m.set_chunking(chunks=chunks, max_bytes=max_bytes)
     return module
 
 
@@ -541,7 +552,6 @@ def _check_splits(stack: ReversibleStack, path: str = "") -> None:
 
 def debug_reconstruction(module: nn.Module, tolerance: float = 1e-3) -> nn.Module:
     """Arm :meth:`ReversibleStack.debug_reconstruction` on every stack inside ``module``."""
-    for m in module.modules():
-        if isinstance(m, ReversibleStack):
-            m.debug_reconstruction(tolerance)
+    for _, m in stacks_of(module):
+        m.debug_reconstruction(tolerance)
     return module

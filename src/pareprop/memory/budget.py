@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pareprop import engine as engine_lib
-from pareprop.engine import ReversibleStack
+from pareprop.engine import ReversibleStack, stacks_of
 from pareprop.memory.saved import activation_bytes, is_parameter, storage_key
 from pareprop.memory.units import parse_memory
 
@@ -135,10 +135,6 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _stacks(model: nn.Module) -> List[Tuple[str, ReversibleStack]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ReversibleStack)]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -147,7 +143,7 @@ def _sync(device: torch.device) -> None:
 @contextlib.contextmanager
 def _settings(model: nn.Module, engines: Dict[str, str], stored: Dict[str, Sequence[int]]):
     """Run with the given engines and stored blocks; put the model's own back afterwards."""
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     before = [(s.engine, s.stored_blocks) for _, s in stacks]
     was_training = model.training
     try:
@@ -171,7 +167,7 @@ def _measure_blocks(
 ) -> Tuple[List[BlockCost], int]:
     """Every block stored: its kept bytes (storages first saved while it runs), its first
     input's bytes, and its cost (median seconds over ``repeats`` forwards, or FLOPs)."""
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     current: List[Optional[Tuple[str, int]]] = [None]
     owner: Dict[Tuple[str, int], Tuple[str, int]] = {}
     sizes: Dict[Tuple[str, int], int] = {}
@@ -318,14 +314,9 @@ def set_memory_budget(
         ValueError: a budget below the reversible floor (the message names the floor), a bad
             budget, or a model without reversible stacks.
     """
-    if cost not in ("time", "flops"):
-        raise ValueError(f"cost must be 'time' or 'flops', got {cost!r}")
-    if engine is not None and engine not in ("reversible", "pareprop"):
-        raise ValueError(f"engine must be 'reversible' or 'pareprop' (or None), got {engine!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    _check_options(engine, cost, repeats)
     kind, value = parse_budget(budget)
-    stacks = _stacks(model)
+    stacks = stacks_of(model)
     if not stacks:
         raise ValueError(
             f"{type(model).__name__} has no ReversibleStack: a memory budget chooses which "
@@ -354,34 +345,12 @@ def set_memory_budget(
             "recomputed the model keeps that much; give at least the floor, or a smaller batch"
         )
 
-    # Most time saved per byte first; among equals the later block, so stored runs are
-    # contiguous at the top of a stack (each run keeps one extra input at its lower end).
-    order = {(b.stack, b.index): i for i, b in enumerate(blocks)}
-    ranked = sorted(
-        blocks, key=lambda b: (-(b.cost / max(b.kept_bytes, 1)), -order[(b.stack, b.index)])
-    )
-    chosen: set = set()
-    if budget_bytes >= full:
-        chosen = {(b.stack, b.index) for b in blocks}
-    else:
-        for b in ranked:
-            trial = chosen | {(b.stack, b.index)}
-            if _predict(blocks, outside, depth, trial) <= budget_bytes:
-                chosen = trial
+    ranked = _ranked(blocks)
+    chosen = _choose(ranked, outside, depth, budget_bytes, stored_all=budget_bytes >= full)
 
     def apply(keys: set) -> int:
-        stored = {n: tuple(i for i in range(depth[n]) if (n, i) in keys) for n in depth}
-        for name, stack in stacks:
-            full_stack = len(stored[name]) == depth[name]
-            stack.set_engine("autograd" if full_stack else engines[name])
-            stack.store_blocks(stored[name])
-        with torch.random.fork_rng(devices=devices):
-            was_training = model.training
-            model.train()
-            try:
-                return _forward_bytes(model, inputs)
-            finally:
-                model.train(was_training)
+        _store(stacks, engines, depth, keys)
+        return _measure_stored(model, inputs, devices)
 
     measured = apply(chosen)
     # The prediction is exact for the blocks we know of; should a model keep something it did
@@ -407,16 +376,70 @@ def set_memory_budget(
     )
 
 
+def _check_options(engine: Optional[str], cost: str, repeats: int) -> None:
+    if cost not in ("time", "flops"):
+        raise ValueError(f"cost must be 'time' or 'flops', got {cost!r}")
+    if engine is not None and engine not in ("reversible", "pareprop"):
+        raise ValueError(f"engine must be 'reversible' or 'pareprop' (or None), got {engine!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+
+
+def _ranked(blocks: List[BlockCost]) -> List[BlockCost]:
+    """Most time saved per byte first; among equals the later block, so stored runs are
+    contiguous at the top of a stack (each run keeps one extra input at its lower end)."""
+    order = {(b.stack, b.index): i for i, b in enumerate(blocks)}
+    return sorted(
+        blocks, key=lambda b: (-(b.cost / max(b.kept_bytes, 1)), -order[(b.stack, b.index)])
+    )
+
+
+def _choose(ranked: List[BlockCost], outside: int, depth: Dict[str, int], budget_bytes: int,
+            stored_all: bool) -> set:
+    """The (stack, index) keys of the blocks to store: greedily down ``ranked``, each block
+    that still fits the budget as predicted; every block when ``stored_all``."""
+    if stored_all:
+        return {(b.stack, b.index) for b in ranked}
+    chosen: set = set()
+    for b in ranked:
+        trial = chosen | {(b.stack, b.index)}
+        if _predict(ranked, outside, depth, trial) <= budget_bytes:
+            chosen = trial
+    return chosen
+
+
+def _store(stacks: List[Tuple[str, ReversibleStack]], engines: Dict[str, str],
+           depth: Dict[str, int], keys: set) -> None:
+    """Store the blocks of ``keys`` (a stack whose every block is stored runs autograd)."""
+    stored = {n: tuple(i for i in range(depth[n]) if (n, i) in keys) for n in depth}
+    for name, stack in stacks:
+        full_stack = len(stored[name]) == depth[name]
+        stack.set_engine("autograd" if full_stack else engines[name])
+        stack.store_blocks(stored[name])
+
+
+def _measure_stored(model: nn.Module, inputs: Tuple[Any, ...], devices: List[int]) -> int:
+    """What a training forward of ``model`` keeps, as it stores its blocks now; the user's RNG
+    and the model's mode are left as found."""
+    with torch.random.fork_rng(devices=devices):
+        was_training = model.training
+        model.train()
+        try:
+            return _forward_bytes(model, inputs)
+        finally:
+            model.train(was_training)
+
+
 def stored_blocks(model: nn.Module) -> Dict[str, List[int]]:
     """``{stack path: stored block indices}`` of the stacks that store any block (JSON-ready:
     checkpoints record it, so a resumed run stores the same blocks without measuring again)."""
-    return {n: list(s.stored_blocks) for n, s in _stacks(model) if s.stored_blocks}
+    return {n: list(s.stored_blocks) for n, s in stacks_of(model) if s.stored_blocks}
 
 
 def apply_stored_blocks(model: nn.Module, stored: Dict[str, Sequence[int]]) -> nn.Module:
     """Store exactly the blocks named in ``stored`` (as :func:`stored_blocks` gives them);
     every other block is recomputed."""
-    stacks = dict(_stacks(model))
+    stacks = dict(stacks_of(model))
     unknown = sorted(set(stored) - set(stacks))
     if unknown:
         raise ValueError(
@@ -437,7 +460,8 @@ def set_engine(
     cuda_graphs: Optional[bool] = None,
 ) -> nn.Module:
     """Switch every :class:`ReversibleStack` inside ``module`` to engine ``name``
-    (:func:`pareprop.engine.set_engine`), or let a memory budget choose: ``pareprop.set_engine``.
+    (:func:`pareprop.engine.set_stack_engine`), or let a memory budget choose:
+    ``pareprop.set_engine``.
 
     ``fallback=False`` makes engine ``"pareprop"`` always run PaReprop instead of keeping Reprop
     where it measures faster (:func:`pareprop.chosen_schedule`).
@@ -461,13 +485,13 @@ def set_engine(
     if name != "auto":
         if memory_budget is not None:
             raise ValueError(f"memory_budget= goes with engine='auto', not {name!r}")
-        return engine_lib.set_engine(module, name, fallback, cuda_graphs)
+        return engine_lib.set_stack_engine(module, name, fallback, cuda_graphs)
     if memory_budget is None or example_inputs is None:
         raise ValueError(
             "engine='auto' needs memory_budget= (bytes, '12GiB' or a fraction from 0 to 1) "
             "and example_inputs= (a batch to measure the blocks on)"
         )
-    stacks = [m for m in module.modules() if isinstance(m, ReversibleStack)]
+    stacks = [m for _, m in stacks_of(module)]
     # The dial measures blocks with eager steps: graphs off while it does, then as asked.
     graphs = cuda_graphs if cuda_graphs is not None else any(m.cuda_graphs for m in stacks)
     for m in stacks:

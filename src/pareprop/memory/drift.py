@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath as TimmDropPath
 
-from pareprop.engine import ENGINES, ReversibleStack, debug_reconstruction
+from pareprop.engine import ENGINES, debug_reconstruction, stacks_of
+from pareprop.engine.testing import one_step, relative_error
 from pareprop.layers import DropPath
-from pareprop.testing import one_step, relative_error
 
 __all__ = ["DriftReport", "drift_report"]
 
@@ -121,14 +121,10 @@ def _without_randomness(model: nn.Module) -> Iterator[None]:
             setattr(m, attr, value)
 
 
-def _stacks(model: nn.Module) -> List[Tuple[str, ReversibleStack]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ReversibleStack)]
-
-
 def _block_names(model: nn.Module) -> List[str]:
     return [
         f"{name}.blocks.{i}" if name else f"blocks.{i}"
-        for name, stack in _stacks(model)
+        for name, stack in stacks_of(model)
         for i in range(len(stack.blocks))
     ]
 
@@ -176,13 +172,13 @@ def drift_report(
     for engine in engines:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected some of {', '.join(ENGINES)}")
-    if not _stacks(model):
+    if not stacks_of(model):
         raise ValueError("model has no ReversibleStack, so there is nothing to rebuild")
     inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     device_type = next(
         (x.device.type for x in inputs if isinstance(x, Tensor)), "cpu"
     )
-    original_engine = _stacks(model)[0][1].engine
+    original_engine = stacks_of(model)[0][1].engine
     was_training = model.training
     blocks = _block_names(model)
     report = DriftReport(
@@ -215,7 +211,7 @@ def drift_report(
                 if engine != "autograd":
                     report.reconstruction[engine] = [
                         max(pair)
-                        for _, stack in _stacks(model)
+                        for _, stack in stacks_of(model)
                         for pair in stack.last_reconstruction_errors
                     ]
                 report.param_grad_error[engine] = {
@@ -224,7 +220,7 @@ def drift_report(
                 report.block_grad_error[engine] = _block_grad_errors(blocks, grads, reference)
                 report.grad_error[engine] = _total_grad_error(grads, reference)
     finally:
-        for _, stack in _stacks(model):
+        for _, stack in stacks_of(model):
             stack.debug_reconstruction(None)
             stack.set_engine(original_engine)
         model.train(was_training)

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pareprop.engine import ReversibleStack, set_block_checkpointing, set_engine
+from pareprop.engine import set_block_checkpointing, set_stack_engine, stacks_of
 from pareprop.engine.chunk_cost import measuring
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -46,10 +46,10 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
     each block checkpointed, :func:`pareprop.engine.set_block_checkpointing`)."""
     if engine is None or engine == "plain":
         return
-    stacks = any(isinstance(m, ReversibleStack) for m in model.modules())
+    stacks = bool(stacks_of(model))
     if engine == "checkpointed":
         if stacks:
-            set_engine(model, "autograd")
+            set_stack_engine(model, "autograd")
             set_block_checkpointing(model, True)
         if hasattr(model, "set_grad_checkpointing"):  # timm's blocks, or the transitions
             model.set_grad_checkpointing(True)
@@ -58,7 +58,7 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
                              f"{type(model).__name__} has none")
         return
     set_block_checkpointing(model, False)
-    set_engine(model, engine)
+    set_stack_engine(model, engine)
 
 
 # NOTE [ Counting storages ]
@@ -67,22 +67,17 @@ def apply_engine(model: nn.Module, engine: Optional[str]) -> None:
 #     sees every operator's outputs: each storage is counted once, from the first operator
 #     that returns it, until it is freed (a weak reference's callback). What exists before
 #     the step (parameters, their gradients, buffers, optimizer state, inputs) is counted from
-#     the start. Until 2026-12-04 torch's ``MemTracker`` counted, which does the same and also
-#     keeps per-module statistics through ``ModTracker``: hooks on every module call, and
-#     gradient hooks on the inputs and outputs of each, whose closures hold the inputs'
-#     autograd nodes while the nodes hold the hooks, a cycle through C++ that no collector
-#     frees. That bookkeeping was about 40% of a plan's time (Rev-MViTv2-B in chunks of 1/32
-#     at batch 8335: 16.2 s a plan, 10.0 s with this tracker), and its hooks kept alive, for
-#     the rest of the step, the graphs built to measure a chunk's cost (NOTE [ Measuring a
-#     chunk's graph ] in pareprop/chunking.py), which are never differentiated: plans in
-#     chunks counted up to 8% more than the step holds (Rev-Swin-T at batch 9039 in chunks of
-#     1/8: 92.47e9 bytes, 85.90e9 with this tracker, and 85.90e9 with MemTracker when the
-#     measurements are not made in that plan), and on real CPU steps of Rev-Swin-T and
-#     Rev-MViTv2-B in chunks MemTracker counted 4.5-6% more than the CPU allocator's own
-#     events (``torch.profiler`` with ``profile_memory``, summed in time order; nothing
-#     hooked), this tracker within 0.3% of them, either way (kernels' scratch memory, which
-#     no operator returns; events of one microsecond, whose order is lost;
-#     tests/test_step_tracker.py). Steps without chunks count the same either way.
+#     the start. torch's ``MemTracker`` does the same but also keeps per-module statistics
+#     through ``ModTracker``: hooks on every module call, and gradient hooks on the inputs and
+#     outputs of each, whose closures hold the inputs' autograd nodes while the nodes hold the
+#     hooks, a cycle through C++ that no collector frees. That bookkeeping costs a large share
+#     of a plan's time, and its hooks keep alive, for the rest of the step, the graphs built to
+#     measure a chunk's cost (NOTE [ Measuring a chunk's graph ] in engine/chunk_cost.py),
+#     which are never differentiated, so plans in chunks would count more than the step holds.
+#     This tracker counts within a fraction of a percent of the CPU allocator's own events
+#     (``torch.profiler`` with ``profile_memory``, summed in time order; nothing hooked;
+#     tests/test_step_tracker.py); the figures are in BENCHMARKS.md ("Measurements behind the
+#     design"). Steps without chunks count the same either way.
 #     ``UntypedStorage.resize_`` bypasses the dispatcher, so it is wrapped while the tracker
 #     runs, as ``MemTracker`` does. What is made while a chunk's cost is measured (a step
 #     of training after the first does not measure) is left out, and counted from the
@@ -210,12 +205,10 @@ class StepPeakTracker(TorchDispatchMode):
 #     A storage that the step leaves in a reference cycle is freed when Python's cyclic
 #     collector next runs, and when that is depends on everything the process allocated
 #     before: the same plan made after other plans, or alone, could count it for a different
-#     stretch of the step. BENCHMARKS.md saw plans move by up to 1.2% from run to run on
-#     2026-12-04; at the commit that turned the collector off that no longer reproduced (the
-#     same plans alone, after others, with the collector on and off, agreed to the byte,
-#     under MemTracker and this tracker alike), the cycles having gone with earlier fixes
-#     (NOTE [ Measuring a chunk's graph ] in chunk_cost.py). So that none can come back
-#     unseen, the counted step runs with the collector off: a storage is freed when its last
+#     stretch of the step, and plans would move from run to run (BENCHMARKS.md,
+#     "Measurements behind the design"). The steps planned here leave no such cycle (NOTE
+#     [ Measuring a chunk's graph ] in chunk_cost.py); so that none can come back unseen, the
+#     counted step runs with the collector off: a storage is freed when its last
 #     reference goes, and a plan is a function of its inputs. The steps planned here leave no
 #     storage to the collector (tests/test_memory.py lets it run every few allocations and
 #     finds the same plan), so nothing is counted longer than the step keeps it.

@@ -368,11 +368,9 @@ def _secant(peak: Any, memory_bytes: int, first: int, tries: int = 8) -> Tuple[i
 
 # NOTE [ The largest batch with chunk_bytes="auto" ]
 #     "auto" plans five chunkings of a batch (NOTE [ Choosing the chunk size ]), and a plan's
-#     time is its number of chunk graphs traced: before a plan traced only the distinct chunks
-#     (NOTE [ Planning a chunked branch from its distinct chunks ] in chunk_cost.py), the 1/32
-#     fraction alone took about six minutes at ViT-B's 80 GiB batches here, and a search that
-#     chose afresh at every batch it tried was estimated at 40 minutes (BENCHMARKS.md,
-#     2026-12-04). Two facts make most of those plans unnecessary:
+#     time is its number of chunk graphs traced, so a search that chose the chunking afresh at
+#     every batch it tried would take many minutes at ViT-B's 80 GiB batches (BENCHMARKS.md,
+#     "Measurements behind the design"). Two facts make most of those plans unnecessary:
 #
 #     * The candidates are fractions of one stream map, which is proportional to the batch, so
 #       with the fraction held, every branch has the same number of chunks at every batch and

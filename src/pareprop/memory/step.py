@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pareprop import catalog
-from pareprop.engine import ReversibleStack
+from pareprop.engine import ReversibleStack, stacks_of
 
 __all__ = ["OPTIMIZERS", "AMP_NAMES"]
 
@@ -158,9 +158,9 @@ def run_step(
 #     place) and the two gradients the stack's backward was handed, which autograd holds until
 #     it returns. The chunked schedule holds exactly that (NOTE [ Chunked backward ] in
 #     engine/chunked.py); whole branches hold the rebuilt inputs and their gradients apart
-#     too. Until 2026-12-04 the floor counted eight maps, the whole-branch schedule's, and so
-#     sat above the planned peak of steps that chunk everything (Rev-ViT-B in chunks, its
-#     head chunked too: 92.49 GiB against a peak of 80.00 at batch 18069). A report's
+#     too. The floor is the chunked schedule's six maps, not the whole-branch schedule's
+#     eight: a floor of eight would sit above the planned peak of steps that chunk everything
+#     (BENCHMARKS.md, "Measurements behind the design"). A report's
 #     ``floor`` is that sum (0 when no stack runs a reversible engine), so ``peak / floor``
 #     says how far a configuration is from what no schedule of the reversible backward can go
 #     below.
@@ -172,7 +172,7 @@ class _StreamBytes:
 
     def __init__(self, model: nn.Module):
         self.largest = 0
-        self._stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+        self._stacks = [m for _, m in stacks_of(model)]
         self._hooks: list = []
 
     def _record(self, stack: ReversibleStack, args: Tuple[Any, ...]) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
-from pareprop.engine import set_engine as _set_engine
+from pareprop.engine import set_stack_engine
 from pareprop.models.published import PretrainedError, load_weights_file
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ class ReversibleModelMixin(ClassifierMixin):
 
     def set_engine(self, name: str) -> Self:
         """Switch every reversible stack to engine ``name`` (one of ``pareprop.ENGINES``)."""
-        _set_engine(self, name)
+        set_stack_engine(self, name)
         if self._cfg_records_engine:
             self.cfg.engine = name
         return self

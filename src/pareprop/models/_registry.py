@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack
+from pareprop.engine import engine_of
 from pareprop.models._features import StageFeatureNet
 from pareprop.models.published import load_published, published_cfg
 
@@ -83,7 +83,7 @@ def register_model(
         # Enough to rebuild the model later: create_model(model.model_name, **model.model_kwargs).
         model.model_name = name
         model.model_kwargs = dict(overrides)
-        model._created_engine = _engine_of(model)  # model_spec records a later change
+        model._created_engine = engine_of(model)  # model_spec records a later change
         if features_only:
             return _feature_net(model, out_indices)
         if out_indices is not None:
@@ -157,13 +157,8 @@ def model_spec(model: nn.Module) -> Dict[str, Any]:
         raise ValueError("model was not created by pareprop.create_model, so it has no spec")
     kwargs = dict(getattr(model, "model_kwargs", {}))
     # An engine set after creation (set_engine) is part of the model as it runs now.
-    engine = _engine_of(model)
+    engine = engine_of(model)
     if engine is not None and engine != getattr(model, "_created_engine", engine):
         kwargs["engine"] = engine
     return {"name": name, "kwargs": kwargs}
 
-
-def _engine_of(model: nn.Module) -> Optional[str]:
-    """The engine of the model's reversible stacks, when they share one."""
-    engines = {m.engine for m in model.modules() if isinstance(m, ReversibleStack)}
-    return engines.pop() if len(engines) == 1 else None

@@ -274,6 +274,40 @@ def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
     return x
 
 
+def _stage(cfg: RevMViTVideoConfig, s: int, p: _Stage, dpr: List[float]) -> MViTStage:
+    """Stage ``s`` as ``p`` plans it: its transition (None in the first stage) and its stack."""
+    if p.width % p.num_heads:
+        raise ValueError(
+            f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
+            "(heads double every stage); lower num_heads or raise embed_dim"
+        )
+    common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
+    transition = None
+    if p.transition is not None:
+        transition = RevMViTVideoTransition(
+            p.width_in,
+            p.width,
+            p.num_heads,
+            cfg.q_stride,
+            p.kv_stride,
+            drop_path=dpr[p.transition],
+            **common,
+        )
+    blocks = [
+        RevMViTv1Block(
+            p.width,
+            p.num_heads,
+            p.kv_stride,
+            drop_path=dpr[i],
+            separate_qkv=False,
+            **common,
+        )
+        for i in p.reversible
+    ]
+    stack = ReversibleStack(blocks, engine=cfg.engine)
+    return MViTStage(transition, stack, map_dims=3)
+
+
 class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
     """The published reversible video MViT (Rev-MViT-B 16x4).
 
@@ -317,38 +351,9 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
         plans = _plan(cfg)
         self.num_stages = len(plans)
         dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
-        common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
         stages, self.feature_info = [], []
         for s, p in enumerate(plans):
-            if p.width % p.num_heads:
-                raise ValueError(
-                    f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
-                    "(heads double every stage); lower num_heads or raise embed_dim"
-                )
-            transition = None
-            if p.transition is not None:
-                transition = RevMViTVideoTransition(
-                    p.width_in,
-                    p.width,
-                    p.num_heads,
-                    cfg.q_stride,
-                    p.kv_stride,
-                    drop_path=dpr[p.transition],
-                    **common,
-                )
-            blocks = [
-                RevMViTv1Block(
-                    p.width,
-                    p.num_heads,
-                    p.kv_stride,
-                    drop_path=dpr[i],
-                    separate_qkv=False,
-                    **common,
-                )
-                for i in p.reversible
-            ]
-            stack = ReversibleStack(blocks, engine=cfg.engine)
-            stages.append(MViTStage(transition, stack, map_dims=3))
+            stages.append(_stage(cfg, s, p, dpr))
             # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
             self.feature_info.append(
                 {

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Subset
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
 from pareprop.convert import converted_model_names
+from pareprop.convert.timm_pretrained import load_timm_pretrained
 from pareprop.data import (
     build_datasets,
     epoch_sampler,
@@ -42,7 +43,6 @@ from pareprop.models import create_model
 from pareprop.trainer.finetune import (
     create_finetune_optimizer,
     load_initial_weights,
-    load_timm_pretrained,
     make_coupling_schedule,
     start_coupling,
 )

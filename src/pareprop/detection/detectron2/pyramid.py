@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
-from pareprop.engine import ReversibleStack, set_engine
+from pareprop.engine import ReversibleStack, set_stack_engine
 
 __all__ = ["FPN", "LastLevelMaxPool", "SimpleFeaturePyramid"]
 
@@ -56,7 +56,7 @@ class _BackboneMixin:
         return [m for m in self.modules() if isinstance(m, ReversibleStack)]
 
     def set_engine(self, name: str):
-        set_engine(self, name)
+        set_stack_engine(self, name)
         return self
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:

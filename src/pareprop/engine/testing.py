@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from pareprop.engine import ReversibleStack, set_engine
+from pareprop.engine.stack import set_stack_engine, stacks_of
 
 __all__ = ["engine_errors", "relative_error", "worst_error", "one_step"]
 
@@ -43,12 +43,6 @@ def _flatten(output: Any) -> List[Tensor]:
     raise TypeError(f"cannot compare a model output of type {type(output).__name__}")
 
 
-def _engine_of(model: nn.Module) -> Optional[str]:
-    for m in model.modules():
-        if isinstance(m, ReversibleStack):
-            return m.engine
-    return None
-
 
 def _projection_loss(outputs: List[Tensor], seed: int) -> Tensor:
     """A fixed random projection, so that every output element gets its own gradient. It is
@@ -66,7 +60,7 @@ def _projection_loss(outputs: List[Tensor], seed: int) -> Tensor:
 
 def one_step(model, inputs, engine, seed, loss_fn, kwargs):
     """One seeded forward and backward with ``engine``: (outputs, input grads, param grads)."""
-    set_engine(model, engine)
+    set_stack_engine(model, engine)
     model.zero_grad(set_to_none=True)
     leaves = [
         x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
@@ -108,7 +102,8 @@ def engine_errors(
         and ``"param:<name>"`` (every trainable parameter).
     """
     inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    original, was_training = _engine_of(model), model.training
+    # Each stack's own engine, put back after: a model's stacks may run different engines.
+    original, was_training = [(m, m.engine) for _, m in stacks_of(model)], model.training
     model.train()
     try:
         ref = one_step(model, inputs, "autograd", seed, loss_fn, forward_kwargs)
@@ -127,8 +122,8 @@ def engine_errors(
                 errors[f"param:{name}"] = err
             report[engine] = errors
     finally:
-        if original is not None:
-            set_engine(model, original)
+        for stack, engine in original:
+            stack.set_engine(engine)
         model.train(was_training)
         model.zero_grad(set_to_none=True)
     return report
