@@ -21,9 +21,10 @@ SIZE = 64
 # Depths of 2-4 blocks, at least one stack of odd depth; drop path on, so the engines must
 # replay its masks.
 FAMILIES = {
-    # Stacks of 3 and 2 blocks in stages 0 and 2; stages 1 and 3 a transition alone.
+    # Stacks of 3 and 2 blocks in stages 0 and 2; stages 1 and 3 a transition alone. Windows
+    # of 12 and 6 on maps of 16 and 8: padded, the padding masked.
     "rev_mvitv2_tiny": dict(embed_dim=8, depth=8, last_block_indexes=[2, 3, 6, 7],
-                            window_size=8, kv_stride=2, img_size=SIZE, drop_path_rate=0.1),
+                            window_size=12, kv_stride=2, img_size=SIZE, drop_path_rate=0.1),
     "rev_swin_tiny": dict(embed_dim=8, depths=[2, 1, 1, 1], num_heads=[1, 1, 1, 1], window=4,
                           img_size=SIZE, drop_path_rate=0.1),
     "rev_vit_tiny_patch16_224": dict(embed_dim=16, depth=3, num_heads=2, img_size=SIZE,

@@ -3,6 +3,7 @@ specs and refusals, and pareprop's model-wide setters acting on a detector."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -192,7 +193,11 @@ def test_setters_reach_the_detector():
     assert all(s.engine == "autograd" for s in stacks)
     pareprop.set_chunking(model, chunks=2)
     assert all(s.chunking is not None for s in stacks)
-    model.backbone.set_grad_checkpointing(True)
+    model.set_grad_checkpointing(True)  # timm's name, as the trainer calls it
+    assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
+    other = copy.deepcopy(model)
+    other.set_grad_checkpointing(False)  # the copy's own backbone
+    assert not any(stage.grad_checkpointing for stage in other.backbone.body.stages)
     assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
 
 

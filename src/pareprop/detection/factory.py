@@ -8,7 +8,9 @@ pareprop's model-wide setters (``set_engine``, ``set_chunking``, ``set_memory_bu
 the detector. ``set_coupling`` (converted backbones) also reads ``model.precision_guard`` and
 records the coupling in ``model.model_kwargs``; the detector carries the backbone trunk's guard
 under that name, and ``model_kwargs`` is the spec's ``backbone_args`` dict itself, so a
-checkpoint rebuilds the detector at the coupling it was saved at.
+checkpoint rebuilds the detector at the coupling it was saved at. torchvision's detectors have no
+``set_grad_checkpointing`` (timm's name, which the trainer calls): the detector's is the
+backbone's, bound to it (``copy.deepcopy`` binds the copy's to the copy's backbone).
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def create_detector(
         spec["unrecorded"] = unrecorded
     detector.pareprop_spec = json.loads(json.dumps(spec))  # plain JSON values (lists)
     # NOTE [ A detector acts as a classifier does ]
+    if callable(getattr(net, "set_grad_checkpointing", None)):
+        detector.set_grad_checkpointing = net.set_grad_checkpointing
     if body is not None and getattr(body, "precision_guard", None) is not None:
         detector.precision_guard = body.precision_guard
         detector.model_kwargs = detector.pareprop_spec["backbone_args"]
