@@ -277,3 +277,12 @@ def test_torchvision_source_keeps_no_unused_parameter():
     targets[0].pop("masks")
     sum(model.train()(images, targets).values()).backward()
     assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+def test_small_detector_builds_from_its_spec():
+    from pareprop.detection import SMALL_DETECTOR
+
+    model = detector_from_spec(dict(SMALL_DETECTOR, num_classes=4))
+    assert type(model) is MaskRCNN and model.transform.min_size == (160,)
+    stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+    assert [len(s.blocks) for s in stacks] == [2, 1, 2]
