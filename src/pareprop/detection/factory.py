@@ -23,7 +23,7 @@ import torch.nn as nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 
 from pareprop.detection.backbones import build_backbone
-from pareprop.detection.heads import head_kwargs
+from pareprop.detection.heads import HEADS, head_kwargs
 from pareprop.detection.names import DETECTOR_ARCHS, backbone_builder, check_arch
 from pareprop.engine import ENGINES
 
@@ -112,6 +112,8 @@ def create_detector(
         )
     if engine not in ENGINES:
         raise ValueError(f"expected engine in {ENGINES}, got {engine!r}")
+    if heads not in HEADS:
+        raise ValueError(f"unknown heads {heads!r}; expected one of {', '.join(HEADS)}")
     if backbone_args is not None and not isinstance(backbone_args, dict):
         raise ValueError(f"expected backbone_args a dict, got {backbone_args!r}")
     backbone_args = dict(backbone_args or {})
@@ -132,9 +134,9 @@ def create_detector(
         kwargs["image_std"] = list(cfg["std"])
     fixed = getattr(net, "fixed_size", None)
     if fixed is not None and "min_size" not in kwargs and "max_size" not in kwargs:
-        # A trunk of one input size: images resized to fit it (NOTE [ Backbones of a fixed
-        # input size ] in backbones.py).
-        kwargs["min_size"] = kwargs["max_size"] = min(fixed)
+        # A trunk of one input size: images resized to fit it once torchvision's transform pads
+        # the batch to a multiple of 32 (NOTE [ Backbones of a fixed input size ]).
+        kwargs["min_size"] = kwargs["max_size"] = max(min(fixed) // 32 * 32, 32)
     kwargs.update(head_kwargs(heads, arch, net.out_channels, num_classes, kwargs))
     # torchvision takes num_classes only where it builds the predictors itself.
     given_predictor = "box_predictor" in kwargs or "mask_predictor" in kwargs
