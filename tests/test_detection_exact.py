@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -109,9 +109,6 @@ def assert_same_step(ref, got):
                                    msg=lambda m, n=n: f"gradient of {n}: {m}")
 
 
-_REFERENCE: Dict[str, object] = {}
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     """A detector of the family and its autograd step (the reference), built once."""
@@ -143,12 +140,12 @@ def test_grad_checkpointing_step_matches_autograd(backbone):
     model = build(backbone)
     ref = step(model, "autograd")
     assert_same_step(ref, step(model, "reversible", chunks=2, grad_checkpointing=True))
-    flags = [m.grad_checkpointing for m in model.backbone.body.modules()
+    # What the setting turns on: the stem and the blocks between the stacks.
+    switched = copy.deepcopy(model)
+    switched.backbone.set_grad_checkpointing(True)
+    flags = [m.grad_checkpointing for m in switched.backbone.body.modules()
              if hasattr(m, "grad_checkpointing")]
-    copy_ = copy.deepcopy(model)
-    copy_.backbone.set_grad_checkpointing(True)
-    assert flags and all(m.grad_checkpointing for m in copy_.backbone.body.modules()
-                         if hasattr(m, "grad_checkpointing"))
+    assert len(flags) > 1 and all(flags)
 
 
 def test_memory_budget_step_matches_autograd():
