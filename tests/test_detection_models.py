@@ -141,6 +141,16 @@ def test_spec_rebuilds_the_detector():
         detector_from_spec({"arch": "maskrcnn"})
 
 
+def test_spec_of_objects_is_refused():
+    from torchvision.models.detection.rpn import RPNHead
+
+    model = tiny(rpn_head=RPNHead(32, 3))
+    assert model.pareprop_spec["unrecorded"] == ["rpn_head"]
+    assert "rpn_head" not in model.pareprop_spec["kwargs"]
+    with pytest.raises(ValueError, match="rpn_head given as objects"):
+        detector_from_spec(model.pareprop_spec)
+
+
 def test_names_and_refusals():
     assert DETECTOR_ARCHS == ("maskrcnn", "fasterrcnn", "retinanet")
     assert parse_detector_name("maskrcnn:rev_mvitv2_tiny") == ("maskrcnn", "rev_mvitv2_tiny")

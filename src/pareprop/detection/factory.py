@@ -51,12 +51,13 @@ SMALL_DETECTOR: Dict[str, Any] = {
 
 
 def _plain(value: Any) -> bool:
-    """Whether ``value`` survives JSON unchanged (tuples become lists, which rebuild the same)."""
+    """Whether ``value`` is made of JSON values (tuples are kept as lists, which rebuild the
+    same)."""
     try:
-        return json.loads(json.dumps(value)) == json.loads(json.dumps(value, default=str)) and \
-            not isinstance(value, nn.Module)
+        json.dumps(value)
     except (TypeError, ValueError):
         return False
+    return True
 
 
 def _body(backbone: nn.Module) -> Optional[nn.Module]:
