@@ -3,6 +3,7 @@ specs and refusals, and pareprop's model-wide setters acting on a detector."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -140,6 +141,16 @@ def test_spec_rebuilds_the_detector():
         detector_from_spec({"arch": "maskrcnn"})
 
 
+def test_spec_of_objects_is_refused():
+    from torchvision.models.detection.rpn import RPNHead
+
+    model = tiny(rpn_head=RPNHead(32, 3))
+    assert model.pareprop_spec["unrecorded"] == ["rpn_head"]
+    assert "rpn_head" not in model.pareprop_spec["kwargs"]
+    with pytest.raises(ValueError, match="rpn_head given as objects"):
+        detector_from_spec(model.pareprop_spec)
+
+
 def test_names_and_refusals():
     assert DETECTOR_ARCHS == ("maskrcnn", "fasterrcnn", "retinanet")
     assert parse_detector_name("maskrcnn:rev_mvitv2_tiny") == ("maskrcnn", "rev_mvitv2_tiny")
@@ -192,7 +203,11 @@ def test_setters_reach_the_detector():
     assert all(s.engine == "autograd" for s in stacks)
     pareprop.set_chunking(model, chunks=2)
     assert all(s.chunking is not None for s in stacks)
-    model.backbone.set_grad_checkpointing(True)
+    model.set_grad_checkpointing(True)  # timm's name, as the trainer calls it
+    assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
+    other = copy.deepcopy(model)
+    other.set_grad_checkpointing(False)  # the copy's own backbone
+    assert not any(stage.grad_checkpointing for stage in other.backbone.body.stages)
     assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
 
 
@@ -272,3 +287,12 @@ def test_torchvision_source_keeps_no_unused_parameter():
     targets[0].pop("masks")
     sum(model.train()(images, targets).values()).backward()
     assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+def test_small_detector_builds_from_its_spec():
+    from pareprop.detection import SMALL_DETECTOR
+
+    model = detector_from_spec(dict(SMALL_DETECTOR, num_classes=4))
+    assert type(model) is MaskRCNN and model.transform.min_size == (160,)
+    stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+    assert [len(s.blocks) for s in stacks] == [2, 1, 2]

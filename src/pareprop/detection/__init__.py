@@ -11,7 +11,7 @@
 """
 
 from pareprop.detection.backbones import PyramidBackbone, build_backbone
-from pareprop.detection.factory import create_detector, detector_from_spec
+from pareprop.detection.factory import SMALL_DETECTOR, create_detector, detector_from_spec
 from pareprop.detection.heads import HEADS
 from pareprop.detection.names import (
     DETECTOR_ARCHS,
@@ -28,6 +28,7 @@ __all__ = [
     "LEVELS",
     "FPN",
     "PyramidBackbone",
+    "SMALL_DETECTOR",
     "SimpleFeaturePyramid",
     "build_backbone",
     "create_detector",
