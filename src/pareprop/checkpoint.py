@@ -43,6 +43,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model",
+    "build_from_spec",
+    "is_detector_spec",
     "atomic_write",
     "rng_state",
     "set_rng_state",
@@ -214,7 +216,7 @@ def save_checkpoint(
     from safetensors.torch import save_file, save_model
 
     model = _unwrap(model)
-    spec = model_spec(model)
+    spec = _spec_of(model)
     out_dir = os.fspath(out_dir)
     root = os.path.join(out_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
@@ -263,6 +265,60 @@ def save_checkpoint(
         _point(os.path.join(out_dir, tag), os.path.relpath(final, out_dir))
     _prune(out_dir, root)
     return final
+
+
+# NOTE [ Detector checkpoints ]
+#     A detector is torchvision's own class, not a registered pareprop model, so it has no
+#     ``model_name``; it records how to rebuild it in ``detector.pareprop_spec`` (plain JSON:
+#     arch, backbone, classes, backbone and head options). model.json keeps that spec under
+#     ``model.detector`` with the engine its reversible stacks run now, and ``load_model``
+#     rebuilds it with ``pareprop.detection.detector_from_spec``, then loads the safetensors
+#     weights: as for a classifier, loading a checkpoint never executes code from it.
+
+
+def _spec_of(model: nn.Module) -> Dict[str, Any]:
+    """model.json's ``model``: a registered model's spec, or a detector's (NOTE [ Detector
+    checkpoints ])."""
+    detector = getattr(model, "pareprop_spec", None)
+    if detector is None:
+        return model_spec(model)
+    from pareprop.models._registry import _engine_of
+
+    name = f"{detector['arch']}:{detector['backbone']}"
+    return {"name": name, "detector": json.loads(json.dumps(detector)),
+            "engine": _engine_of(model)}
+
+
+def is_detector_spec(spec: Any) -> bool:
+    """Whether model.json's ``model`` describes a detector (NOTE [ Detector checkpoints ])."""
+    return isinstance(spec, dict) and isinstance(spec.get("detector"), dict)
+
+
+def build_from_spec(spec: Dict[str, Any], **overrides: Any) -> nn.Module:
+    """The model of model.json's ``model``, with fresh weights: ``create_model(name,
+    **kwargs)`` or, for a detector, ``detector_from_spec`` (``overrides``: only ``engine``)."""
+    if not is_detector_spec(spec):
+        return create_model(spec["name"], **{**spec["kwargs"], **overrides})
+    from pareprop.detection import detector_from_spec
+    from pareprop.engine import set_engine
+
+    other = sorted(set(overrides) - {"engine"})
+    if other:
+        raise ValueError(
+            f"a detector checkpoint is rebuilt from its saved spec; of the model arguments only "
+            f"engine may change, got {', '.join(other)}"
+        )
+    detector = json.loads(json.dumps(spec["detector"]))
+    # The checkpoint's weights replace the backbone's initial ones (NOTE [ A checkpoint needs
+    # no initial weight file ]): neither a download nor a local file is read again.
+    for where in (detector, detector.get("kwargs") or {}):
+        where.pop("pretrained_file", None)
+        where.pop("pretrained_backbone", None)
+    model = detector_from_spec(detector)
+    engine = overrides.get("engine") or spec.get("engine")
+    if engine is not None:
+        set_engine(model, engine)
+    return model
 
 
 def _write_text(path: str, text: str) -> None:
@@ -420,8 +476,7 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``). The run's data config
     (``data_config`` in model.json) goes into the model's ``pretrained_cfg``."""
     ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
-    spec = ckpt.meta["model"]
-    model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
+    model = build_from_spec(ckpt.meta["model"], **overrides)
     load_weights(model, ckpt)
     data_config = ckpt.meta.get("data_config")
     if isinstance(data_config, dict) and isinstance(getattr(model, "pretrained_cfg", None), dict):
