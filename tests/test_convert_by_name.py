@@ -90,7 +90,7 @@ def test_converted_video_sources_give_training_and_eval_one_data_config(name, so
                                                                         stride):
     # --convert-from a torchvision video source: the clips the trainer samples and pareprop
     # eval samples come from one config, the one of the weights' transforms.
-    from pareprop.video import video_data_config
+    from pareprop.data import video_data_config
 
     with torch.device("meta"):
         model = pareprop.create_model(name, source=source, tolerance=None)

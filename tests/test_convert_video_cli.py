@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import pareprop.video
+import pareprop.data.video
 from pareprop.cli import main as cli
 from pareprop.convert import CouplingSchedule
 from pareprop.convert.swin3d import build_swin3d
@@ -88,7 +88,7 @@ class _FolderSpy:
 
     def __init__(self, monkeypatch):
         self.built = []
-        real = pareprop.video.VideoFolder
+        real = pareprop.data.video.VideoFolder
         spy = self
 
         class Recorded(real):
@@ -99,7 +99,7 @@ class _FolderSpy:
                     crop_size=self.crop_size, mean=self.mean.flatten().tolist(),
                     std=self.std.flatten().tolist())))
 
-        monkeypatch.setattr(pareprop.video, "VideoFolder", Recorded)
+        monkeypatch.setattr(pareprop.data.video, "VideoFolder", Recorded)
 
     def options(self, mode):
         found = [o for m, o in self.built if m == mode]

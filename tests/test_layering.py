@@ -37,10 +37,13 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pareprop.catalog",),  # a name (pareprop's or timm's) -> a model, its inputs and facts
     ("pareprop.memory", "pareprop.budget", "pareprop.drift"),  # measuring and planning memory
     # pretrained: published weights and pareprop checkpoint directories (load_checkpoint).
-    # video: decoding, clips and multi-view evaluation of video data sets.
+    # data: the data config, image and video data sets, COCO-format detection data.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
-     "pareprop.pretrained", "pareprop.video"),
-    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate"),
+     "pareprop.pretrained"),
+    # Detectors: torchvision's, on the models' trunks through feature pyramids.
+    ("pareprop.detection",),
+    ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate",
+     "pareprop.evaluate_detection"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
 ]
@@ -85,6 +88,7 @@ TRAINER_ORDER: List[str] = [
     "pareprop.trainer.setup",  # device, model and data, engine, loaders, optimizer
     "pareprop.trainer.state",  # the training state a checkpoint saves, and resuming it
     "pareprop.trainer.loop",  # a micro-batch, an optimizer step, an epoch, an evaluation
+    "pareprop.trainer.detection",  # the same for a detector (--task detection)
     "pareprop.trainer.run",  # Trainer: the set-up steps in order, then the epochs; train
     "pareprop.trainer",
 ]

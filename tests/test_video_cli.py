@@ -10,7 +10,7 @@ import torch
 
 import pareprop
 from pareprop.cli import main as cli
-from pareprop.video import VideoFolder
+from pareprop.data import VideoFolder
 
 pytest.importorskip("av")
 

@@ -13,15 +13,15 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from pareprop.video import (
+from pareprop.data import (
     UndecodableVideoWarning,
     VideoFolder,
     clip_indices,
     collate_videos,
     decode_video,
-    evaluate_clips,
     require_av,
 )
+from pareprop.evaluate import evaluate_clips
 
 av = pytest.importorskip("av")
 

@@ -1,5 +1,5 @@
 """Training a video model: it trains, validates and is evaluated by ``pareprop eval`` on clips
-of one data config, the model's (NOTE [ One video data config ]); options that contradict it
+of one data config, the model's (NOTE [ One data config ]); options that contradict it
 are refused before anything runs; the same command trains on the same clips twice, and a
 resumed run on the clips an uninterrupted one would (NOTE [ Reproducible clips ]).
 
@@ -18,9 +18,9 @@ import pareprop
 from pareprop.cli import main as cli
 from pareprop.cli.train import main as train
 from pareprop.cli.train import resolve_config
+from pareprop.data import video_data_config, video_dataset
 from pareprop.evaluate import evaluate
 from pareprop.trainer import TIMING_KEYS, Trainer
-from pareprop.video import video_data_config, video_dataset
 
 av = pytest.importorskip("av")
 

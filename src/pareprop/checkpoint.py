@@ -482,7 +482,7 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     if isinstance(data_config, dict) and isinstance(getattr(model, "pretrained_cfg", None), dict):
         _check_data_overrides(overrides, model.pretrained_cfg, data_config, ckpt.path)
         # The transform the run validated with; timm's resolve_data_config (pareprop eval)
-        # reads it from here (NOTE [ One data config ] in pareprop/data.py).
+        # reads it from here (NOTE [ One data config ] in pareprop/data/config.py).
         model.pretrained_cfg.update(
             {k: tuple(v) if isinstance(v, list) else v for k, v in data_config.items()}
         )
@@ -490,7 +490,7 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
 
 
 # Model arguments that set a field of the data config (NOTE [ One data config ] in
-# pareprop/data.py), and the field.
+# pareprop/data/config.py), and the field.
 _DATA_ARGS = {"img_size": "input_size", "in_chans": "input_size", "num_frames": "input_size",
               "frame_stride": "frame_stride", "mean": "mean", "std": "std"}
 

@@ -37,11 +37,11 @@ from pareprop.checkpoint import (
 from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
+from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
 from pareprop.finetune import load_timm_pretrained
 from pareprop.models.published import PretrainedError
-from pareprop.video import is_video_model
 
 __all__ = ["main", "build_parser"]
 

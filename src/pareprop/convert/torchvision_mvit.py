@@ -199,7 +199,7 @@ class ConvertedMViT(ReversibleModelMixin, nn.Module):
             "crop_pct": 224 / 256,
             "interpolation": "bilinear",
             # Clips of num_frames frames, every 4th frame (7.5 fps of 30, as the weights' docs
-            # say): what training and pareprop eval read (pareprop.video.video_data_config).
+            # say): what training and pareprop eval read (pareprop.data.video_data_config).
             "num_frames": self.clip_size[0],
             "frame_stride": 4,
             "first_conv": "conv_proj",

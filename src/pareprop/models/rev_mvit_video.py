@@ -27,7 +27,7 @@ one qkv map with no bias. What differs from the image model is the transition
 The head is the image model's: LayerNorm over the last stack's two streams side by side
 (2 x 768) on every token, the mean over tokens, dropout 0.5, a linear classifier. PySlowFast's
 head also applies a softmax in eval mode; this model returns logits (see
-:func:`pareprop.video.evaluate_clips` for the multi-view average).
+:func:`pareprop.evaluate.evaluate_clips` for the multi-view average).
 
 As in the image model, a transition's stochastic depth acts on each residual branch (PySlowFast
 drops its whole output): evaluation is identical.

@@ -97,7 +97,7 @@ class RunReport:
         return (
             f"{where}; the last checkpoint is {self.last_checkpoint!r}: "
             # --workers is not restored (it is the machine's), but augmentation's random draws
-            # are dealt out per worker (NOTE [ Reproducible clips ] in pareprop/video.py): the
+            # are dealt out per worker (NOTE [ Reproducible clips ] in pareprop/data/video.py): the
             # same number continues exactly.
             f"continue with: pareprop train --resume {self.cfg.out} --workers {self.cfg.workers}"
         )

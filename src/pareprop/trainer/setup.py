@@ -27,7 +27,13 @@ from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
 from pareprop.budget import parse_budget, set_memory_budget
 from pareprop.compile import compile_blocks
-from pareprop.data import build_datasets, epoch_sampler, model_data_config
+from pareprop.data import (
+    build_datasets,
+    epoch_sampler,
+    is_video_model,
+    model_data_config,
+    video_data_config,
+)
 from pareprop.engine import ENGINES, set_chunking
 from pareprop.finetune import (
     create_finetune_optimizer,
@@ -37,7 +43,6 @@ from pareprop.finetune import (
 )
 from pareprop.fsdp import fsdp_available
 from pareprop.models import create_model
-from pareprop.video import is_video_model, video_data_config
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
@@ -171,9 +176,9 @@ class RunSetup:
 
     def _data_config(self, model: nn.Module, input_size: Tuple[int, ...]) -> Optional[dict]:
         """The data config the run normalises by (NOTE [ One data config ] in
-        pareprop/data.py): the checkpoint's when resuming, the model's own when starting from
-        pretrained weights, else None (the data set's statistics). A video model's is its
-        own, always (NOTE [ One video data config ] in pareprop/video.py)."""
+        pareprop/data/config.py): the checkpoint's when resuming, the model's own when starting
+        from pretrained weights, else None (the data set's statistics). A video model's is its
+        own, always."""
         cfg = self.cfg
         if is_video_model(model):
             return video_data_config(model)

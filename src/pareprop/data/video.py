@@ -1,5 +1,6 @@
-"""Video data for the Kinetics models: decoding, clip sampling as published, a video-folder data
-set, and multi-view evaluation ("1 crop x 5 clips").
+"""Video data for the Kinetics models: decoding, clip sampling as published, and a video-folder
+data set whose evaluation mode gives the published views ("1 crop x 5 clips", averaged by
+:func:`pareprop.evaluate.evaluate_clips`).
 
 Decoding goes through PyAV (``pip install 'pareprop[video]'``): its wheels bundle FFmpeg, so
 nothing else needs installing, and it reads every container and codec FFmpeg does. See
@@ -41,20 +42,19 @@ NOTE [ Undecodable files ]
 A file that cannot be decoded (truncated downloads are common in Kinetics mirrors) is skipped
 with a warning naming it, never a crash in the middle of an epoch. With ``on_error="drop"``
 (evaluation) ``__getitem__`` returns ``None`` for it, and :func:`collate_videos` drops the
-``None`` samples from the batch (a batch of none left is ``None``, which :func:`evaluate_clips`
-skips): every video counted was seen once. With ``on_error="substitute"`` (training, and the
-trainer's validation) it returns the next decodable video instead, as PySlowFast's loader
-retries another one: batches keep their size and need no special collation.
+``None`` samples from the batch (a batch of none left is ``None``, which
+:func:`pareprop.evaluate.evaluate_clips` skips): every video counted was seen once. With
+``on_error="substitute"`` (training, and the trainer's validation) it returns the next
+decodable video instead, as PySlowFast's loader retries another one: batches keep their size
+and need no special collation.
 :meth:`VideoFolder.probe` finds such files up front, with a progress bar.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import math
 import os
-import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -63,6 +63,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
+from pareprop.data.config import PUBLISHED_CONFIG, video_data_config
+
 __all__ = [
     "UndecodableVideoWarning",
     "VIDEO_EXTENSIONS",
@@ -70,14 +72,9 @@ __all__ = [
     "clip_indices",
     "VideoFolder",
     "collate_videos",
-    "evaluate_clips",
-    "evaluate_video",
-    "is_video_model",
     "video_dataset",
     "video_splits",
-    "video_data_config",
     "folder_options",
-    "PUBLISHED_CONFIG",
     "require_av",
 ]
 
@@ -160,48 +157,10 @@ def clip_indices(
     return index.clamp(0, num_video_frames - 1).long()
 
 
-# NOTE [ One video data config ]
-#     As for images (NOTE [ One data config ] in pareprop/data.py), a video model is trained,
-#     validated and evaluated by ``pareprop eval`` on clips made from one data config: its
-#     ``input_size`` (C, T, H, W), ``frame_stride``, ``mean`` and ``std``, read by
-#     :func:`video_data_config` from the model's ``pretrained_cfg`` (where the model's own
-#     config puts them: ``--model-arg frame_stride=1`` changes it) and turned into
-#     :class:`VideoFolder` options by :func:`folder_options`, the one place both sides call.
-#     The trainer saves it in every checkpoint, and ``pareprop.load_model`` puts it back into
-#     the model's ``pretrained_cfg``. (Training once sampled 16 x 4 clips whatever the model
-#     said, so a model trained at frame_stride 1 was evaluated on other clips than it learnt.)
-# The published recipe (NOTE [ Clips as published ]), for a data set built without a model.
-PUBLISHED_CONFIG: Dict[str, Any] = dict(input_size=[3, 16, 224, 224], frame_stride=4,
-                                        mean=[0.45] * 3, std=[0.225] * 3)
-
-
-def video_data_config(model: nn.Module) -> Dict[str, Any]:
-    """The data config of a video model (NOTE [ One video data config ]), from its
-    ``pretrained_cfg``: ``input_size`` (C, T, H, W) with square frames, ``frame_stride``
-    (4 when the model names none), and ``mean`` and ``std`` per channel, as JSON keeps them."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    name = getattr(model, "model_name", type(model).__name__)
-    size = [int(v) for v in cfg.get("input_size") or ()]
-    if len(size) != 4 or size[2] != size[3] or min(size) < 1:
-        raise ValueError(
-            f"expected a video model, whose pretrained_cfg input_size is (C, T, H, W) with "
-            f"square frames; {name} has {cfg.get('input_size')!r}"
-        )
-    stride = cfg.get("frame_stride", 4)
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"expected {name}'s frame_stride an int >= 1, got {stride!r}")
-    mean, std = [float(v) for v in cfg["mean"]], [float(v) for v in cfg["std"]]
-    if len(mean) != size[0] or len(std) != size[0]:
-        raise ValueError(
-            f"expected {name}'s mean and std with one value per channel ({size[0]}), got "
-            f"{mean} and {std}"
-        )
-    return dict(input_size=size, frame_stride=stride, mean=mean, std=std)
-
-
 def folder_options(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The :class:`VideoFolder` options of a video data config (NOTE [ One video data
-    config ]): ``num_frames``, ``frame_stride``, ``crop_size``, ``mean`` and ``std``."""
+    """The :class:`VideoFolder` options of a video data config (NOTE [ One data config ] in
+    pareprop/data/config.py): ``num_frames``, ``frame_stride``, ``crop_size``, ``mean`` and
+    ``std``."""
     _, frames, side, _ = config["input_size"]
     return dict(num_frames=int(frames), frame_stride=int(config["frame_stride"]),
                 crop_size=int(side), mean=tuple(config["mean"]), std=tuple(config["std"]))
@@ -448,10 +407,11 @@ def video_splits(
 ) -> Tuple[VideoFolder, VideoFolder]:
     """Training and validation sets of ``path`` for the trainer: ``path/train`` and
     ``path/val`` (class folders, or ``.csv`` files of ``path,label`` rows), sampled and
-    normalised by the data config ``config`` (:func:`video_data_config` of the model; default:
-    the published 16 x 4 clips at 224 px, NOTE [ One video data config ]). Training clips as
-    published (the scale range 256-320 follows the crop: 8/7 to 10/7 of it); validation one
-    centre view per video. Undecodable files are substituted (NOTE [ Undecodable files ])."""
+    normalised by the data config ``config`` (the model's ``video_data_config``; default: the
+    published 16 x 4 clips at 224 px; NOTE [ One data config ] in pareprop/data/config.py).
+    Training clips as published (the scale range 256-320 follows the crop: 8/7 to 10/7 of it);
+    validation one centre view per video. Undecodable files are substituted (NOTE
+    [ Undecodable files ])."""
     def split(name: str) -> str:
         for candidate in (os.path.join(path, name), os.path.join(path, name + ".csv")):
             if os.path.exists(candidate):
@@ -477,130 +437,9 @@ def collate_videos(batch: List[Any]) -> Any:
     return default_collate(batch) if batch else None
 
 
-@torch.no_grad()
-def evaluate_clips(
-    model: nn.Module,
-    loader: Any,
-    device: Any = "cpu",
-    average: str = "softmax",
-    topk: Tuple[int, ...] = (1, 5),
-    amp: str = "none",
-    limit: Optional[int] = None,
-    progress: bool = False,
-) -> Dict[str, float]:
-    """Top-k accuracy over multi-view averages: each video's ``(V, C, T, H, W)`` views go
-    through the model and their scores are averaged per video.
-
-    Args:
-        model: the classifier (put in eval mode here).
-        loader: batches ``(views (B, V, C, T, H, W), labels (B,))`` from an ``eval``-mode
-            :class:`VideoFolder` with :func:`collate_videos`; ``None`` batches are skipped.
-        device: where to run.
-        average: ``"softmax"`` (the mean of the views' probabilities, as PySlowFast's test
-            sums them) or ``"logits"``.
-        topk: the k of each reported accuracy.
-        amp: ``"none"`` or ``"bf16"`` (autocast).
-        limit: stop after this many videos.
-        progress: show a progress bar (decoding dominates: it counts videos).
-
-    Returns:
-        ``{"top1": ..., "top5": ..., "videos": n}`` (accuracies in percent).
-    """
-    from tqdm.auto import tqdm
-
-    if average not in ("softmax", "logits"):
-        raise ValueError(f"expected average 'softmax' or 'logits', got {average!r}")
-    if amp not in ("none", "bf16"):
-        raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
-    device = torch.device(device)
-    model.eval()
-    correct = {k: 0 for k in topk}
-    seen = 0
-    total = len(loader.dataset) if hasattr(loader, "dataset") else None
-    total = limit if total is None else min(total, limit or total)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if amp == "bf16"
-                else contextlib.nullcontext())
-    with autocast, tqdm(total=total, disable=not progress, unit="video", desc="eval",
-                        dynamic_ncols=True) as bar:
-        for batch in loader:
-            if batch is None:
-                continue
-            if limit is not None and seen >= limit:
-                break
-            views, labels = batch
-            if limit is not None:
-                views, labels = views[: limit - seen], labels[: limit - seen]
-            B, V = views.shape[:2]
-            out = model(views.flatten(0, 1).to(device)).float()  # (B * V, K)
-            if average == "softmax":
-                out = out.softmax(dim=-1)
-            scores = out.view(B, V, -1).mean(dim=1).cpu()  # (B, K)
-            top = scores.topk(min(max(topk), scores.shape[-1]), dim=-1).indices  # (B, k)
-            hits = top == labels.view(-1, 1)
-            for k in topk:
-                correct[k] += int(hits[:, :k].any(dim=1).sum())
-            seen += B
-            bar.update(B)
-            bar.set_postfix(top1=f"{100 * correct[topk[0]] / seen:.2f}")
-    result = {f"top{k}": 100.0 * correct[k] / max(seen, 1) for k in topk}
-    result["videos"] = float(seen)
-    return result
-
-
-def is_video_model(model: nn.Module) -> bool:
-    """Whether ``model`` takes clips: its ``pretrained_cfg["input_size"]`` is ``(C, T, H, W)``."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    return len(cfg.get("input_size") or ()) == 4
-
-
 def video_dataset(model: nn.Module, source: str, mode: str, **kwargs: Any) -> VideoFolder:
-    """A :class:`VideoFolder` shaped for ``model`` by its data config (:func:`video_data_config`:
+    """A :class:`VideoFolder` shaped for ``model`` by its data config (``video_data_config``:
     frames, frame stride, crop size, mean and std), as the trainer's are."""
     options = folder_options(video_data_config(model))
     options.update(kwargs)
     return VideoFolder(source, mode, **options)
-
-
-def evaluate_video(
-    model: nn.Module,
-    source: str,
-    *,
-    batch_size: int = 4,
-    workers: int = 2,
-    num_clips: int = 5,
-    average: str = "softmax",
-    amp: str = "none",
-    device: Any = None,
-    progress: bool = True,
-    limit: Optional[int] = None,
-) -> Dict[str, Any]:
-    """Top-1/top-5 of a video model on a video folder or CSV (``pareprop eval`` on videos):
-    ``num_clips`` evenly spaced clips x 1 centre crop per video, scores averaged.
-
-    Returns:
-        ``{"top1", "top5", "videos", "views", "classes", "skipped", "amp", "seconds",
-        "data_config"}``.
-    """
-    config = video_data_config(model)
-    dataset = VideoFolder(source, "eval", num_clips=num_clips, **folder_options(config))
-    num_classes = getattr(model, "num_classes", None)
-    if num_classes is not None and num_classes != dataset.num_classes:
-        raise ValueError(
-            f"{source!r} has {dataset.num_classes} classes but the model predicts {num_classes}; "
-            "evaluate on data with one class per output of the model"
-        )
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False,
-                                         num_workers=workers, collate_fn=collate_videos)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    start = time.perf_counter()
-    result: Dict[str, Any] = dict(evaluate_clips(
-        model.to(device), loader, device, average=average, amp=amp, limit=limit,
-        progress=progress,
-    ))
-    if result["videos"] == 0:
-        raise ValueError(f"{source!r} holds no decodable videos")
-    result.update(videos=int(result["videos"]), views=f"{num_clips} clips x 1 crop",
-                  classes=dataset.num_classes, skipped=len(dataset) - int(result["videos"])
-                  if limit is None else None, average=average, amp=amp,
-                  seconds=time.perf_counter() - start, data_config=config)
-    return result

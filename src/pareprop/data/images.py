@@ -6,30 +6,26 @@ input size and channel count. Shuffling is NOT done here: the trainer draws each
 from ``(seed, epoch)`` (see :func:`epoch_sampler`) so a resumed run sees the same order as an
 uninterrupted one.
 
-NOTE [ One data config ]
-    A model is validated in training and evaluated by ``pareprop eval`` with one transform,
-    made by :func:`eval_transform` from one data config (timm's keys: ``input_size``,
-    ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``). A run that starts from
-    pretrained weights takes the model's own (:func:`model_data_config`, timm's
-    ``resolve_data_config``); one from scratch, the data set's statistics. Each builder reports
-    the config its validation set uses (:attr:`Datasets.data_config`); the trainer saves it in
-    every checkpoint, and :func:`pareprop.load_model` puts it back into the model's
-    ``pretrained_cfg``, where ``pareprop eval`` (and timm) read it. A video model's data
-    config is its own, always (clip size, frame stride, mean and std: NOTE [ One video data
-    config ] in pareprop/video.py).
+The data config each builder reports is NOTE [ One data config ] (pareprop/data/config.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler
 
-from pareprop.video import PUBLISHED_CONFIG, video_splits
+from pareprop.data.config import (
+    PUBLISHED_CONFIG,
+    DataConfig,
+    _config,
+    eval_transform,
+)
+from pareprop.data.video import video_splits
 
 __all__ = [
     "Datasets",
@@ -39,10 +35,7 @@ __all__ = [
     "cifar",
     "image_folder",
     "epoch_sampler",
-    "eval_transform",
-    "model_data_config",
     "DATASETS",
-    "DATA_CONFIG_KEYS",
 ]
 
 DATASETS = ("digits", "cifar10", "cifar100")
@@ -54,49 +47,6 @@ _CIFAR_STATS = {
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 _IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-# The keys of a data config (timm's resolve_data_config), NOTE [ One data config ].
-DATA_CONFIG_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
-DataConfig = Dict[str, Any]
-
-
-def _config(input_size: Sequence[int], mean: Sequence[float], std: Sequence[float],
-            interpolation: str = "bilinear", crop_pct: float = 1.0,
-            crop_mode: str = "center") -> DataConfig:
-    """A data config as JSON keeps it (lists, not tuples), ``mean``/``std`` per channel."""
-    in_chans = int(input_size[0])
-    mean, std = [float(m) for m in mean], [float(v) for v in std]
-    if len(mean) != in_chans:  # RGB statistics for a grey model, or one value for all
-        mean, std = [sum(mean) / len(mean)] * in_chans, [sum(std) / len(std)] * in_chans
-    return dict(input_size=[int(v) for v in input_size], interpolation=str(interpolation),
-                mean=mean, std=std, crop_pct=float(crop_pct), crop_mode=str(crop_mode))
-
-
-def model_data_config(model: Any, input_size: Optional[Sequence[int]] = None) -> DataConfig:
-    """The model's own data config (timm's ``resolve_data_config`` of its ``pretrained_cfg``),
-    at ``input_size`` = ``(C, H, W)`` (default: the model's)."""
-    from timm.data import resolve_data_config
-
-    c = resolve_data_config({}, model=model)
-    return _config(input_size or c["input_size"], c["mean"], c["std"], c["interpolation"],
-                   c["crop_pct"], c.get("crop_mode", "center"))
-
-
-def eval_transform(config: DataConfig) -> Callable[[Any], torch.Tensor]:
-    """The evaluation transform of a data config (timm's ``create_transform``: resize to
-    ``size / crop_pct``, centre crop, normalise), taking an image (PIL) to ``(C, H, W)``;
-    for a 1-channel model, the image is made grey first."""
-    from timm.data import create_transform
-    from torchvision import transforms
-
-    c = _config(config["input_size"], config["mean"], config["std"],
-                config.get("interpolation", "bilinear"), config.get("crop_pct", 1.0),
-                config.get("crop_mode", "center"))
-    tf = create_transform(input_size=tuple(c["input_size"]), interpolation=c["interpolation"],
-                          mean=tuple(c["mean"]), std=tuple(c["std"]), crop_pct=c["crop_pct"],
-                          crop_mode=c["crop_mode"], is_training=False)
-    if c["input_size"][0] == 1:
-        tf = transforms.Compose([transforms.Grayscale(1), tf])
-    return tf
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -368,9 +318,8 @@ def build_datasets(
     normalised by ``data_config`` (NOTE [ One data config ]; digits keep their own
     statistics) or, when None, by the data set's statistics; for a video model
     (``(C, T, H, W)``) a video folder with ``train`` and ``val`` splits
-    (:func:`pareprop.video.video_splits`), sampled and normalised by ``data_config`` (the
-    model's, :func:`pareprop.video.video_data_config`; NOTE [ One video data config ]), by
-    default as published."""
+    (:func:`pareprop.data.video.video_splits`), sampled and normalised by ``data_config`` (the
+    model's, :func:`pareprop.data.config.video_data_config`), by default as published."""
     if len(input_size) == 4:
         return _video_datasets(name, input_size, augment, data_config)
     if len(input_size) != 3 or input_size[1] != input_size[2]:

@@ -1,0 +1,33 @@
+"""Detection: torchvision's Mask R-CNN, Faster R-CNN and RetinaNet on reversible backbones
+(docs/detection.md).
+
+* ``names``: ``ARCH:BACKBONE`` names and the registry of backbone builders by prefix;
+* ``pyramid``: the FPN and ViTDet's simple feature pyramid, to maps ``p2``..``p6``;
+* ``backbones``: a reversible trunk's features through its pyramid;
+* ``heads``: anchors, RoI pooling and torchvision's heads (its defaults or ViTDet's);
+* ``factory``: :func:`create_detector` and :func:`detector_from_spec`.
+"""
+
+from pareprop.detection.backbones import PyramidBackbone, build_backbone
+from pareprop.detection.factory import create_detector, detector_from_spec
+from pareprop.detection.heads import HEADS
+from pareprop.detection.names import (
+    DETECTOR_ARCHS,
+    parse_detector_name,
+    register_backbone,
+)
+from pareprop.detection.pyramid import FPN, LEVELS, SimpleFeaturePyramid
+
+__all__ = [
+    "DETECTOR_ARCHS",
+    "HEADS",
+    "LEVELS",
+    "FPN",
+    "PyramidBackbone",
+    "SimpleFeaturePyramid",
+    "build_backbone",
+    "create_detector",
+    "detector_from_spec",
+    "parse_detector_name",
+    "register_backbone",
+]

@@ -1,0 +1,172 @@
+"""``create_detector``: torchvision's Mask R-CNN, Faster R-CNN or RetinaNet on a reversible
+backbone, and the spec that rebuilds one.
+
+NOTE [ A detector acts as a classifier does ]
+The detector is torchvision's own class; the reversible stacks sit inside ``detector.backbone``.
+pareprop's model-wide setters (``set_engine``, ``set_chunking``, ``set_memory_budget``,
+``compile_blocks``) walk ``modules()`` for stacks and blocks, so they reach the backbone's from
+the detector. ``set_coupling`` (converted backbones) also reads ``model.precision_guard`` and
+records the coupling in ``model.model_kwargs``; the detector carries the backbone trunk's guard
+under that name, and ``model_kwargs`` is the spec's ``backbone_args`` dict itself, so a
+checkpoint rebuilds the detector at the coupling it was saved at.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Dict, Optional
+
+import torch.nn as nn
+from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+
+from pareprop.detection.backbones import build_backbone
+from pareprop.detection.heads import head_kwargs
+from pareprop.detection.names import DETECTOR_ARCHS, backbone_builder, check_arch
+from pareprop.engine import ENGINES
+
+__all__ = ["create_detector", "detector_from_spec"]
+
+_CLASSES = {"maskrcnn": MaskRCNN, "fasterrcnn": FasterRCNN, "retinanet": RetinaNet}
+_SPEC_KEYS = ("arch", "backbone", "num_classes", "backbone_args", "fpn_channels", "kwargs")
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` survives JSON unchanged (tuples become lists, which rebuild the same)."""
+    try:
+        return json.loads(json.dumps(value)) == json.loads(json.dumps(value, default=str)) and \
+            not isinstance(value, nn.Module)
+    except (TypeError, ValueError):
+        return False
+
+
+def _body(backbone: nn.Module) -> Optional[nn.Module]:
+    return getattr(backbone, "body", None)
+
+
+def create_detector(
+    arch: str,
+    backbone: str,
+    num_classes: int,
+    engine: str = "reversible",
+    pretrained_backbone: bool = False,
+    pretrained_file: Optional[str] = None,
+    backbone_args: Optional[Dict[str, Any]] = None,
+    fpn_channels: int = 256,
+    heads: str = "torchvision",
+    **kwargs: Any,
+) -> nn.Module:
+    """torchvision's detector ``arch`` on the reversible backbone ``backbone``.
+
+    Example:
+        ``create_detector("maskrcnn", "rev_mvitv2_tiny", num_classes=81, min_size=800)``
+
+    Args:
+        arch: ``"maskrcnn"``, ``"fasterrcnn"`` or ``"retinanet"``.
+        backbone: ``rev_mvitv2_*`` or ``rev_swin_*`` (four stages into an FPN), ``rev_vit_*``
+            (ViTDet's simple pyramid; images padded to its ``img_size``), ``converted:SOURCE``
+            (a timm or torchvision ViT, MViTv2 or Swin converted at the coupling (1, 0)), or a
+            name of a registered prefix (:func:`register_backbone`).
+        num_classes: classes including background (torchvision's convention: K + 1).
+        engine: the reversible stacks' engine (``pareprop.ENGINES``).
+        pretrained_backbone: start the backbone from its published weights (for
+            ``converted:SOURCE``, the source library's download).
+        pretrained_file: start the backbone from this file instead.
+        backbone_args: overrides of the backbone model's config (``depth``, ``embed_dim``,
+            ``img_size``, ``window_size``, ``last_block_indexes``...).
+        fpn_channels: width of every pyramid level.
+        heads: ``"torchvision"`` (its defaults) or ``"vitdet"`` (2-conv RPN head, 4conv+1fc box
+            head and mask head with LayerNorm; RetinaNet's head with GroupNorm).
+        **kwargs: torchvision's constructor's keywords (``min_size``, ``max_size``,
+            ``rpn_post_nms_top_n_train``, ``box_detections_per_img``...).
+
+    Returns:
+        torchvision's ``MaskRCNN``, ``FasterRCNN`` or ``RetinaNet``, with ``pareprop_spec``
+        (plain JSON values) that :func:`detector_from_spec` rebuilds it from.
+    """
+    check_arch(arch)
+    backbone_builder(backbone)  # refuses an unknown name before anything is built
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(
+            f"expected num_classes an int >= 2 (the K object classes + 1 for background, "
+            f"torchvision's convention), got {num_classes!r}"
+        )
+    if engine not in ENGINES:
+        raise ValueError(f"expected engine in {ENGINES}, got {engine!r}")
+    if backbone_args is not None and not isinstance(backbone_args, dict):
+        raise ValueError(f"expected backbone_args a dict, got {backbone_args!r}")
+    backbone_args = dict(backbone_args or {})
+    if not _plain(backbone_args):
+        raise ValueError(f"expected backbone_args of plain values (JSON), got {backbone_args!r}")
+    spec_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if _plain(v)})
+    unrecorded = sorted(k for k in kwargs if k not in spec_kwargs)
+
+    net = build_backbone(
+        backbone, engine=engine, pretrained_backbone=pretrained_backbone,
+        pretrained_file=pretrained_file, backbone_args=backbone_args, fpn_channels=fpn_channels,
+    )
+    body = _body(net)
+    cfg = getattr(body, "pretrained_cfg", None) or getattr(net, "pretrained_cfg", None) or {}
+    if "mean" in cfg and "image_mean" not in kwargs:
+        kwargs["image_mean"] = list(cfg["mean"])
+    if "std" in cfg and "image_std" not in kwargs:
+        kwargs["image_std"] = list(cfg["std"])
+    fixed = getattr(net, "fixed_size", None)
+    if fixed is not None and "min_size" not in kwargs and "max_size" not in kwargs:
+        # A trunk of one input size: images resized to fit it (NOTE [ Backbones of a fixed
+        # input size ] in backbones.py).
+        kwargs["min_size"] = kwargs["max_size"] = min(fixed)
+    kwargs.update(head_kwargs(heads, arch, net.out_channels, num_classes, kwargs))
+    detector = _CLASSES[arch](net, num_classes=num_classes, **kwargs)
+
+    spec: Dict[str, Any] = {
+        "arch": arch,
+        "backbone": backbone,
+        "num_classes": num_classes,
+        "backbone_args": backbone_args,
+        "fpn_channels": fpn_channels,
+        "kwargs": spec_kwargs,
+        "engine": engine,
+        "heads": heads,
+    }
+    if unrecorded:
+        spec["unrecorded"] = unrecorded
+    detector.pareprop_spec = json.loads(json.dumps(spec))  # plain JSON values (lists)
+    # NOTE [ A detector acts as a classifier does ]
+    if body is not None and getattr(body, "precision_guard", None) is not None:
+        detector.precision_guard = body.precision_guard
+        detector.model_kwargs = detector.pareprop_spec["backbone_args"]
+    return detector
+
+
+def detector_from_spec(spec: Dict[str, Any], **overrides: Any) -> nn.Module:
+    """Rebuild a detector from its ``pareprop_spec`` (random weights: load the state dict
+    after); ``overrides`` replace arguments of :func:`create_detector` (``engine=...``).
+
+    Raises:
+        ValueError: a spec without the keys :func:`create_detector` records, or one of a
+            detector built with keywords that are not plain values (modules), named.
+    """
+    if not isinstance(spec, dict) or any(k not in spec for k in _SPEC_KEYS):
+        raise ValueError(
+            f"expected a detector spec with keys {', '.join(_SPEC_KEYS)} (detector.pareprop_spec), "
+            f"got {spec!r}"
+        )
+    if spec.get("unrecorded"):
+        raise ValueError(
+            f"the detector was built with {', '.join(spec['unrecorded'])} given as objects, which "
+            "its spec cannot record; rebuild it with create_detector and those objects"
+        )
+    args: Dict[str, Any] = dict(
+        arch=spec["arch"], backbone=spec["backbone"], num_classes=spec["num_classes"],
+        backbone_args=copy.deepcopy(spec["backbone_args"]), fpn_channels=spec["fpn_channels"],
+        **copy.deepcopy(spec["kwargs"]),
+    )
+    for key in ("engine", "heads"):
+        if key in spec:
+            args[key] = spec[key]
+    args.update(overrides)
+    return create_detector(**args)
+
+
+assert set(_CLASSES) == set(DETECTOR_ARCHS)
