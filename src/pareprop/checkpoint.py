@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from pareprop.budget import apply_stored_blocks, stored_blocks
 from pareprop.models import create_model, model_spec
+from pareprop.models._registry import _engine_of
 
 __all__ = [
     "CheckpointError",
@@ -43,7 +44,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model",
-    "build_from_spec",
     "is_detector_spec",
     "atomic_write",
     "rng_state",
@@ -271,9 +271,12 @@ def save_checkpoint(
 #     A detector is torchvision's own class, not a registered pareprop model, so it has no
 #     ``model_name``; it records how to rebuild it in ``detector.pareprop_spec`` (plain JSON:
 #     arch, backbone, classes, backbone and head options). model.json keeps that spec under
-#     ``model.detector`` with the engine its reversible stacks run now, and ``load_model``
-#     rebuilds it with ``pareprop.detection.detector_from_spec``, then loads the safetensors
-#     weights: as for a classifier, loading a checkpoint never executes code from it.
+#     ``model.detector`` with the engine its reversible stacks run now, and
+#     ``pareprop.evaluate_detection.load_detector`` rebuilds it with
+#     ``pareprop.detection.detector_from_spec`` (a layer above this module), then loads the
+#     safetensors weights with :func:`load_weights`: as for a classifier, loading a checkpoint
+#     never executes code from it. ``load_model`` refuses a detector's checkpoint, naming
+#     ``load_detector``.
 
 
 def _spec_of(model: nn.Module) -> Dict[str, Any]:
@@ -282,8 +285,6 @@ def _spec_of(model: nn.Module) -> Dict[str, Any]:
     detector = getattr(model, "pareprop_spec", None)
     if detector is None:
         return model_spec(model)
-    from pareprop.models._registry import _engine_of
-
     name = f"{detector['arch']}:{detector['backbone']}"
     return {"name": name, "detector": json.loads(json.dumps(detector)),
             "engine": _engine_of(model)}
@@ -292,33 +293,6 @@ def _spec_of(model: nn.Module) -> Dict[str, Any]:
 def is_detector_spec(spec: Any) -> bool:
     """Whether model.json's ``model`` describes a detector (NOTE [ Detector checkpoints ])."""
     return isinstance(spec, dict) and isinstance(spec.get("detector"), dict)
-
-
-def build_from_spec(spec: Dict[str, Any], **overrides: Any) -> nn.Module:
-    """The model of model.json's ``model``, with fresh weights: ``create_model(name,
-    **kwargs)`` or, for a detector, ``detector_from_spec`` (``overrides``: only ``engine``)."""
-    if not is_detector_spec(spec):
-        return create_model(spec["name"], **{**spec["kwargs"], **overrides})
-    from pareprop.detection import detector_from_spec
-    from pareprop.engine import set_engine
-
-    other = sorted(set(overrides) - {"engine"})
-    if other:
-        raise ValueError(
-            f"a detector checkpoint is rebuilt from its saved spec; of the model arguments only "
-            f"engine may change, got {', '.join(other)}"
-        )
-    detector = json.loads(json.dumps(spec["detector"]))
-    # The checkpoint's weights replace the backbone's initial ones (NOTE [ A checkpoint needs
-    # no initial weight file ]): neither a download nor a local file is read again.
-    for where in (detector, detector.get("kwargs") or {}):
-        where.pop("pretrained_file", None)
-        where.pop("pretrained_backbone", None)
-    model = detector_from_spec(detector)
-    engine = overrides.get("engine") or spec.get("engine")
-    if engine is not None:
-        set_engine(model, engine)
-    return model
 
 
 def _write_text(path: str, text: str) -> None:
@@ -476,7 +450,13 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     shapes (e.g. ``engine="autograd"``, ``drop_path_rate=0.0``). The run's data config
     (``data_config`` in model.json) goes into the model's ``pretrained_cfg``."""
     ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
-    model = build_from_spec(ckpt.meta["model"], **overrides)
+    spec = ckpt.meta["model"]
+    if is_detector_spec(spec):
+        raise CheckpointError(
+            f"{ckpt.path!r} holds the detector {spec['name']}: load it with "
+            "pareprop.evaluate_detection.load_detector (NOTE [ Detector checkpoints ])"
+        )
+    model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
     load_weights(model, ckpt)
     data_config = ckpt.meta.get("data_config")
     if isinstance(data_config, dict) and isinstance(getattr(model, "pretrained_cfg", None), dict):

@@ -21,18 +21,29 @@ NOTE [ The same AP in training and evaluation ]
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+from pareprop.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    is_detector_spec,
+    load_checkpoint,
+    load_weights,
+)
+from pareprop.data.coco import collate_detection, detection_splits
+from pareprop.data.shapes import write_shapes
+from pareprop.detection import detector_from_spec
+from pareprop.detection.coco_eval import evaluate_detections
+
 __all__ = [
     "SHAPES",
+    "load_detector",
+    "detector_of_checkpoint",
     "detection_data_config",
     "detection_datasets",
     "detection_val_loader",
@@ -42,7 +53,7 @@ __all__ = [
 
 # The built-in synthetic shapes of the default detection run: enough images for a small
 # detector to learn three shapes, few enough to write in seconds (pareprop.data.shapes).
-SHAPES: Dict[str, int] = dict(num_train=600, num_val=100, image_size=128, seed=0)
+SHAPES: Dict[str, int] = dict(num_train=400, num_val=100, image_size=128, seed=0)
 
 
 def is_detection_config(config: Any) -> bool:
@@ -50,32 +61,36 @@ def is_detection_config(config: Any) -> bool:
     return isinstance(config, dict) and config.get("task") == "detection"
 
 
+def detector_of_checkpoint(ckpt: Checkpoint, **overrides: Any) -> nn.Module:
+    """The detector of a loaded checkpoint with its weights (NOTE [ Detector checkpoints ] in
+    pareprop/checkpoint.py); ``overrides``: arguments of ``create_detector`` that keep the
+    weights' shapes (``engine=...``)."""
+    spec = ckpt.meta.get("model")
+    if not is_detector_spec(spec):
+        raise CheckpointError(f"{ckpt.path!r} holds a classifier, not a detector: load it "
+                              "with pareprop.load_model")
+    # The engine its stacks ran when it was saved, unless changed here.
+    engine = overrides.pop("engine", None) or spec.get("engine")
+    if engine is not None:
+        overrides["engine"] = engine
+    model = detector_from_spec(spec["detector"], **overrides)
+    load_weights(model, ckpt)
+    return model
+
+
+def load_detector(path: str, map_location: Any = "cpu", **overrides: Any) -> nn.Module:
+    """Rebuild the detector a checkpoint was saved from and load its weights (safetensors:
+    nothing in the checkpoint is executed). ``path``: the checkpoint, a link to it
+    (``RUN/best``) or its run directory."""
+    ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
+    return detector_of_checkpoint(ckpt, **overrides)
+
+
 def _shapes_root(data_dir: str, shapes: Dict[str, int]) -> str:
     """Where the shapes of these settings live under ``data_dir``: one folder per setting, so
     a run never reads a set written with other settings."""
     name = "shapes-{image_size}px-{num_train}-{num_val}-seed{seed}".format(**shapes)
     return os.path.join(data_dir, name)
-
-
-def _write_shapes_once(root: str, shapes: Dict[str, int]) -> None:
-    """Write the shapes into ``root`` unless they are there: written into a temporary folder
-    and renamed, so a run killed while writing leaves no half set for the next one to read."""
-    from pareprop.data.shapes import write_shapes
-
-    if os.path.isdir(os.path.join(root, "annotations")):
-        return
-    parent = os.path.dirname(os.path.abspath(root)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}.", suffix=".tmp", dir=parent)
-    try:
-        write_shapes(tmp, **shapes)
-        try:
-            os.rename(tmp, root)
-        except OSError:  # another process wrote it first: keep theirs (same files)
-            if not os.path.isdir(os.path.join(root, "annotations")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def detection_data_config(
@@ -102,19 +117,16 @@ def detection_data_config(
 def detection_datasets(
     config: Dict[str, Any], augment: bool, prepare: bool = True
 ) -> Tuple[Dataset, Dataset]:
-    """(train, val) of a data config; ``prepare`` writes the shapes first when missing (a
+    """(train, val) of a data config; ``prepare`` writes the shapes first when missing
+    (:func:`~pareprop.data.shapes.write_shapes` keeps a set written with the same settings; a
     distributed run writes on process 0 only, then every process reads)."""
-    from pareprop.data.coco import detection_splits
-
     if config["dataset"] == "shapes" and prepare:
-        _write_shapes_once(config["root"], config["shapes"])
+        write_shapes(config["root"], **config["shapes"])  # kept when written already
     return detection_splits(config["root"], config["train_size"], augment)
 
 
 def detection_val_loader(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoader:
     """The validation loader: the data set's order, ``batch_size`` images per forward."""
-    from pareprop.data.coco import collate_detection
-
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                       collate_fn=collate_detection)
 
@@ -144,8 +156,6 @@ def evaluate_detector(
     Returns:
         ``{"bbox_AP", "bbox_AP50", "bbox_AP75", ["segm_AP", ...], "images", "data_dir"}``.
     """
-    from pareprop.detection.coco_eval import evaluate_detections
-
     if amp not in ("none", "bf16"):
         raise ValueError(f"expected amp 'none' or 'bf16', got {amp!r}")
     config = dict(config)
@@ -166,7 +176,5 @@ def evaluate_detector(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(device).eval()
     loader = detection_val_loader(val, batch_size or config["val_batch_size"], workers)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if amp == "bf16"
-                else contextlib.nullcontext())
-    result = evaluate_detections(model, loader, val, device, autocast=autocast)
+    result = evaluate_detections(model, loader, val, device, autocast=amp)
     return {**result, "images": len(val), "data_dir": config["root"]}

@@ -26,20 +26,18 @@ import torch
 
 import pareprop
 from pareprop.catalog import converted_source
-from pareprop.checkpoint import (
-    META,
-    CheckpointError,
-    build_from_spec,
-    is_detector_spec,
-    load_checkpoint,
-    load_weights,
-)
+from pareprop.checkpoint import META, CheckpointError, is_detector_spec, load_checkpoint
 from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
 from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
+from pareprop.evaluate_detection import (
+    detector_of_checkpoint,
+    evaluate_detector,
+    is_detection_config,
+)
 from pareprop.finetune import load_timm_pretrained
 from pareprop.models.published import PretrainedError
 
@@ -193,8 +191,6 @@ def _evaluate_detector(args: argparse.Namespace, ckpt) -> dict:
     """COCO AP of a detector's checkpoint on its run's validation data (or ``--data-dir``):
     the numbers its run logged (NOTE [ The same AP in training and evaluation ] in
     pareprop/evaluate_detection.py)."""
-    from pareprop.evaluate_detection import evaluate_detector, is_detection_config
-
     overrides = _parse_model_args(args.model_args)
     if args.engine is not None:
         overrides["engine"] = args.engine
@@ -206,8 +202,7 @@ def _evaluate_detector(args: argparse.Namespace, ckpt) -> dict:
         raise CheckpointError(f"{ckpt.path!r} holds a detector but no detection data config")
     run_amp = (ckpt.meta.get("config") or {}).get("amp")
     amp = args.amp or ("bf16" if run_amp == "bf16" else "none")  # as its run validated
-    model = build_from_spec(ckpt.meta["model"], **overrides)
-    load_weights(model, ckpt)
+    model = detector_of_checkpoint(ckpt, **overrides)
     result = evaluate_detector(
         model, config, data_dir=args.data_dir, amp=amp, workers=args.workers,
         batch_size=args.batch_size,

@@ -4,7 +4,11 @@
 layers for boxes, 4 convolutions + deconvolution for masks). ``heads="vitdet"`` selects the
 heads of detectron2's ViTDet and MViTv2 configurations (Li et al., ECCV 2022): a 2-conv RPN head,
 a box head of 4 convolutions and 1 fully connected layer with a norm after each convolution, and
-the mask head with a norm; RetinaNet's head with GroupNorm (torchvision's v2 recipe). The norm
+the mask head with a norm; RetinaNet's head with GroupNorm (torchvision's v2 recipe).
+``heads="small"`` keeps torchvision's layout at the pyramid's width: two fully connected layers
+of ``out_channels * 4`` features for boxes, 2 convolutions of ``out_channels`` for masks (the
+default detection run on the shapes, where torchvision's 256-wide mask head would cost most of
+a CPU step). The norm
 is LayerNorm over channels, as ViTDet's "LN": it acts on each sample alone, so a step is the same
 whatever the batch split (DDP, chunks).
 """
@@ -17,8 +21,12 @@ from typing import Any, Dict
 import torch.nn as nn
 from timm.layers import LayerNorm2d
 from torchvision.models.detection.anchor_utils import AnchorGenerator
-from torchvision.models.detection.faster_rcnn import FastRCNNConvFCHead
-from torchvision.models.detection.mask_rcnn import MaskRCNNHeads
+from torchvision.models.detection.faster_rcnn import (
+    FastRCNNConvFCHead,
+    FastRCNNPredictor,
+    TwoMLPHead,
+)
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.models.detection.retinanet import RetinaNetHead
 from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops import MultiScaleRoIAlign
@@ -27,7 +35,7 @@ from pareprop.detection.pyramid import LEVELS
 
 __all__ = ["HEADS", "ANCHOR_SIZES", "head_kwargs"]
 
-HEADS = ("torchvision", "vitdet")
+HEADS = ("torchvision", "vitdet", "small")
 ANCHOR_SIZES = (32, 64, 128, 256, 512)  # one per level, p2..p6
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 ROI_LEVELS = list(LEVELS[:4])  # RoI pooling reads p2..p5
@@ -80,4 +88,11 @@ def head_kwargs(
             out["box_head"] = FastRCNNConvFCHead((C, 7, 7), [256] * 4, [1024], LayerNorm2d)
             if arch == "maskrcnn":
                 out["mask_head"] = MaskRCNNHeads(C, [256] * 4, 1, norm_layer=LayerNorm2d)
+        elif heads == "small":
+            width = 4 * C
+            out["box_head"] = TwoMLPHead(C * 7 * 7, width)
+            out["box_predictor"] = FastRCNNPredictor(width, num_classes)
+            if arch == "maskrcnn":
+                out["mask_head"] = MaskRCNNHeads(C, [C] * 2, 1)
+                out["mask_predictor"] = MaskRCNNPredictor(C, C, num_classes)
     return {k: v for k, v in out.items() if k not in given}

@@ -1,5 +1,5 @@
-"""Training a detector: :class:`DetectionTrainer`, the trainer with a detection run's set-up,
-epoch and evaluation in place of a classifier's.
+"""Training a detector: the set-up, epoch and evaluation of a detection run, which
+``DetectionTrainer`` (run.py) puts in place of a classifier's.
 
 Everything else is the classification trainer's, unchanged: the run directory, the optimizer
 and its schedule, gradient accumulation and clipping, the fp16 scaler, the non-finite stop
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,8 +31,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
+from pareprop.compile import compile_blocks
 from pareprop.data import epoch_sampler
-from pareprop.engine import set_chunking, set_engine
+from pareprop.data.coco import collate_detection
+from pareprop.detection import create_detector, detector_from_spec, parse_detector_name
+from pareprop.detection.coco_eval import evaluate_detections
+from pareprop.detection.visualize import save_predictions
+from pareprop.engine import set_chunking
 from pareprop.evaluate_detection import (
     detection_data_config,
     detection_datasets,
@@ -39,10 +45,9 @@ from pareprop.evaluate_detection import (
 )
 from pareprop.trainer.loop import NonFiniteLossError, TrainLoop, _Fault
 from pareprop.trainer.report import peak_mem_mb
-from pareprop.trainer.run import Trainer
 from pareprop.trainer.setup import RunSetup, _seed
 
-__all__ = ["DetectionTrainer"]
+__all__ = ["DetectionSetup", "DetectionLoop", "DetectionRun"]
 
 # The square crop a detection run trains at when its model options name no max_size
 # (ViTDet's large-scale jitter crop).
@@ -79,8 +84,6 @@ class DetectionSetup(RunSetup):
         """The data (the shapes written once on process 0) and the detector: from the
         checkpoint's spec and weights when resuming, else ``create_detector``, with as many
         classes as the data has."""
-        from pareprop.detection import create_detector, parse_detector_name
-
         cfg, resume = self.cfg, self.resume
         kwargs = dict(cfg.model_kwargs or {})
         if resume is not None:
@@ -102,9 +105,7 @@ class DetectionSetup(RunSetup):
                     f"{resume.path!r} holds the classifier {spec.get('name')!r}, not a "
                     "detector: resume it without --task detection"
                 )
-            model = ckpt_lib.build_from_spec(spec)
-            set_engine(model, cfg.engine)
-            model = model.to(self.device)
+            model = detector_from_spec(spec["detector"], engine=cfg.engine).to(self.device)
             ckpt_lib.load_weights(model, resume)
             return model
         arch, backbone = parse_detector_name(cfg.model)
@@ -121,8 +122,6 @@ class DetectionSetup(RunSetup):
     def _setup_engine(self, model: nn.Module) -> None:
         """Activation checkpointing of the backbone, chunking and compilation (the memory
         budget is refused for detectors in TrainConfig)."""
-        from pareprop.compile import compile_blocks
-
         cfg = self.cfg
         self.memory_plan = None
         if cfg.grad_checkpointing:
@@ -140,8 +139,6 @@ class DetectionSetup(RunSetup):
     def _setup_data(self) -> None:
         """As a classifier's (NOTE [ Batch size ] in setup.py), with detection's collate; every
         process validates on the whole set (NOTE [ The same AP in training and evaluation ])."""
-        from pareprop.data.coco import collate_detection
-
         cfg, world, accum = self.cfg, self.dist.world_size, self.cfg.grad_accum
         if cfg.batch_size % (world * accum):
             raise ValueError(
@@ -172,8 +169,6 @@ class DetectionLoop(TrainLoop):
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], bool]:
         """Micro-batch ``i``: forward, the summed loss and backward; (loss, losses, ends a
         step)."""
-        from contextlib import nullcontext
-
         accum = self.cfg.grad_accum
         in_group = min(accum, self.micro_per_epoch - (i // accum) * accum)
         last_micro = (i + 1) % accum == 0 or i + 1 == self.micro_per_epoch
@@ -248,15 +243,15 @@ class DetectionLoop(TrainLoop):
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         """COCO AP on the validation set (the bare model, in eval mode, the run's autocast)."""
-        from pareprop.detection.coco_eval import evaluate_detections
-
         self.model.eval()
         return evaluate_detections(self.model, self.val_loader, self.data.val, self.device,
-                                   autocast=self._autocast())
+                                   autocast=self.amp_dtype)
 
 
-class DetectionTrainer(DetectionSetup, DetectionLoop, Trainer):
-    """:class:`~pareprop.trainer.Trainer` for ``--task detection``; best checkpoint by box AP."""
+class DetectionRun:
+    """A detection run's epoch record, picture, checkpoint evaluation and summary, in place of
+    the :class:`~pareprop.trainer.Trainer`'s (``DetectionTrainer`` in run.py puts them
+    first); the ``best`` checkpoint is the one of the highest box AP."""
 
     BEST_KEY = "bbox_AP"
 
@@ -291,8 +286,6 @@ class DetectionTrainer(DetectionSetup, DetectionLoop, Trainer):
 
     def _save_picture(self) -> None:
         """OUT/predictions.png: the detector's boxes and masks on validation images."""
-        from pareprop.detection.visualize import save_predictions
-
         path = os.path.join(self.cfg.out, "predictions.png")
         self.model.eval()
         save_predictions(self.model, self.data.val, path)

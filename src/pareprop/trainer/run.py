@@ -11,7 +11,9 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from pareprop import distributed as dist_lib
 from pareprop import rundir
+from pareprop.checkpoint import is_detector_spec, load_checkpoint
 from pareprop.trainer.config import TrainConfig
+from pareprop.trainer.detection import DetectionLoop, DetectionRun, DetectionSetup
 from pareprop.trainer.directory import RunDirectory
 from pareprop.trainer.loop import NonFiniteLossError, TrainLoop
 from pareprop.trainer.report import EPOCH_SCALARS, RunReport, peak_mem_mb
@@ -155,6 +157,11 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         return metrics
 
 
+class DetectionTrainer(DetectionRun, DetectionSetup, DetectionLoop, Trainer):
+    """:class:`Trainer` for ``--task detection`` (pareprop/trainer/detection.py): a detector on
+    COCO-format data, validated by COCO AP, its best checkpoint the one of the highest box AP."""
+
+
 def train(cfg: TrainConfig, given: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Run ``cfg`` in this process, or in each process of a torchrun job. ``given``: the
     options set explicitly (see :class:`Trainer`)."""
@@ -170,12 +177,6 @@ def _trainer_class(cfg: TrainConfig) -> type:
     """The trainer of the run's task: the resumed checkpoint's, else the config's."""
     task = cfg.task
     if cfg.resume is not None:
-        from pareprop.checkpoint import is_detector_spec, load_checkpoint
-
         spec = load_checkpoint(cfg.resume, train_state=False).meta.get("model")
         task = "detection" if is_detector_spec(spec) else "classification"
-    if task == "detection":
-        from pareprop.trainer.detection import DetectionTrainer  # imports this module
-
-        return DetectionTrainer
-    return Trainer
+    return DetectionTrainer if task == "detection" else Trainer
