@@ -40,7 +40,8 @@ LAYERS: List[Tuple[str, ...]] = [
     # data: the data config, image and video data sets, COCO-format detection data.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.plots", "pareprop.rundir",
      "pareprop.pretrained"),
-    # Detectors: torchvision's, on the models' trunks through feature pyramids.
+    # Detectors: torchvision's, on the models' trunks through feature pyramids; their COCO AP
+    # and pictures.
     ("pareprop.detection",),
     ("pareprop.bench", "pareprop.trainer", "pareprop.finetune", "pareprop.evaluate",
      "pareprop.evaluate_detection"),

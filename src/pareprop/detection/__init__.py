@@ -5,7 +5,8 @@
 * ``pyramid``: the FPN and ViTDet's simple feature pyramid, to maps ``p2``..``p6``;
 * ``backbones``: a reversible trunk's features through its pyramid;
 * ``heads``: anchors, RoI pooling and torchvision's heads (its defaults or ViTDet's);
-* ``factory``: :func:`create_detector` and :func:`detector_from_spec`.
+* ``factory``: :func:`create_detector` and :func:`detector_from_spec`;
+* ``coco_eval`` (COCO AP) and ``visualize`` (pictures of predictions), imported by name.
 """
 
 from pareprop.detection.backbones import PyramidBackbone, build_backbone
