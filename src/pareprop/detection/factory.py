@@ -117,8 +117,8 @@ def create_detector(
         # input size ] in backbones.py).
         kwargs["min_size"] = kwargs["max_size"] = min(fixed)
     kwargs.update(head_kwargs(heads, arch, net.out_channels, num_classes, kwargs))
-    # torchvision takes the classes from the predictors when it is given them (small heads).
-    given_predictor = "box_predictor" in kwargs
+    # torchvision takes num_classes only where it builds the predictors itself.
+    given_predictor = "box_predictor" in kwargs or "mask_predictor" in kwargs
     detector = _CLASSES[arch](net, num_classes=None if given_predictor else num_classes, **kwargs)
 
     spec: Dict[str, Any] = {

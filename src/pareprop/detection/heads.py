@@ -2,15 +2,16 @@
 
 ``heads="torchvision"`` keeps torchvision's default heads (a 1-conv RPN head, two fully connected
 layers for boxes, 4 convolutions + deconvolution for masks). ``heads="vitdet"`` selects the
-heads of detectron2's ViTDet and MViTv2 configurations (Li et al., ECCV 2022): a 2-conv RPN head,
-a box head of 4 convolutions and 1 fully connected layer with a norm after each convolution, and
-the mask head with a norm; RetinaNet's head with GroupNorm (torchvision's v2 recipe).
+heads of detectron2's ViTDet and MViTv2 configurations (Li et al., ECCV 2022): a 2-conv RPN
+head, a box head of 4 convolutions and 1 fully connected layer with a norm after each
+convolution, and the mask head with a norm, their convolutions as wide as the pyramid;
+RetinaNet's head with GroupNorm (torchvision's v2 recipe). The norm is LayerNorm over channels,
+as ViTDet's "LN": it acts on each sample alone, so a step is the same whatever the batch split
+(DDP, chunks).
 ``heads="small"`` keeps torchvision's layout at the pyramid's width: two fully connected layers
-of ``out_channels * 4`` features for boxes, 2 convolutions of ``out_channels`` for masks (the
+of ``4 * out_channels`` features for boxes, 2 convolutions of ``out_channels`` for masks (the
 default detection run on the shapes, where torchvision's 256-wide mask head would cost most of
-a CPU step). The norm
-is LayerNorm over channels, as ViTDet's "LN": it acts on each sample alone, so a step is the same
-whatever the batch split (DDP, chunks).
+a CPU step).
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def head_kwargs(
             out["mask_roi_pool"] = MultiScaleRoIAlign(ROI_LEVELS, output_size=14, sampling_ratio=2)
         if heads == "vitdet":
             out["rpn_head"] = RPNHead(C, anchors.num_anchors_per_location()[0], conv_depth=2)
-            # The box predictor reads 1024 features: torchvision's default representation size.
-            out["box_head"] = FastRCNNConvFCHead((C, 7, 7), [256] * 4, [1024], LayerNorm2d)
+            # Convolutions as wide as the pyramid (detectron2: 256 and 256); the box predictor
+            # reads 1024 features, torchvision's default representation size.
+            out["box_head"] = FastRCNNConvFCHead((C, 7, 7), [C] * 4, [1024], LayerNorm2d)
+            out["box_predictor"] = FastRCNNPredictor(1024, num_classes)
             if arch == "maskrcnn":
-                out["mask_head"] = MaskRCNNHeads(C, [256] * 4, 1, norm_layer=LayerNorm2d)
+                out["mask_head"] = MaskRCNNHeads(C, [C] * 4, 1, norm_layer=LayerNorm2d)
+                out["mask_predictor"] = MaskRCNNPredictor(C, C, num_classes)
         elif heads == "small":
             width = 4 * C
             out["box_head"] = TwoMLPHead(C * 7 * 7, width)
