@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from pareprop.budget import apply_stored_blocks, stored_blocks
 from pareprop.models import create_model, model_spec
-from pareprop.models._registry import _engine_of
+from pareprop.engine import ReversibleStack
 
 __all__ = [
     "CheckpointError",
@@ -286,8 +286,10 @@ def _spec_of(model: nn.Module) -> Dict[str, Any]:
     if detector is None:
         return model_spec(model)
     name = f"{detector['arch']}:{detector['backbone']}"
+    # The engine its stacks run now (set_engine after creation changes it).
+    engines = {m.engine for m in model.modules() if isinstance(m, ReversibleStack)}
     return {"name": name, "detector": json.loads(json.dumps(detector)),
-            "engine": _engine_of(model)}
+            "engine": engines.pop() if len(engines) == 1 else None}
 
 
 def is_detector_spec(spec: Any) -> bool:

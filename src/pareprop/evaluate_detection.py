@@ -122,7 +122,10 @@ def detection_datasets(
     distributed run writes on process 0 only, then every process reads)."""
     if config["dataset"] == "shapes" and prepare:
         write_shapes(config["root"], **config["shapes"])  # kept when written already
-    return detection_splits(config["root"], config["train_size"], augment)
+    try:
+        return detection_splits(config["root"], config["train_size"], augment)
+    except FileNotFoundError as e:  # not COCO's layout: the commands' one-line error
+        raise ValueError(str(e)) from None
 
 
 def detection_val_loader(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoader:
