@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from pareprop.checkpoint import CheckpointError, load_checkpoint, load_model
+from pareprop.cli.bench import main as bench_main
 from pareprop.cli.eval import main as eval_main
+from pareprop.cli.plan import main as plan_main
 from pareprop.cli.train import main as train_main
 from pareprop.cli.train import resolve_config
 from pareprop.data.shapes import write_shapes
@@ -149,3 +151,13 @@ def test_resume_equals_an_uninterrupted_run(shapes, config_file, tmp_path):
     a = load_checkpoint(part / "last", train_state=False).state_dict
     b = load_checkpoint(full / "last", train_state=False).state_dict
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("command", [plan_main, bench_main])
+def test_plan_and_bench_refuse_detectors_in_one_line(command, tmp_path, capsys):
+    argv = ["--models", "maskrcnn:rev_mvitv2_tiny", "--batch-sizes", "2"]
+    if command is bench_main:
+        argv += ["--out", str(tmp_path / "bench")]
+    assert command(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a detector" in err and len(err.strip().splitlines()) == 1

@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 
 from pareprop.budget import apply_stored_blocks, stored_blocks
-from pareprop.models import create_model, model_spec
 from pareprop.engine import ReversibleStack
+from pareprop.models import create_model, model_spec
 
 __all__ = [
     "CheckpointError",
