@@ -60,7 +60,7 @@ DETECTION_DEFAULTS: Dict[str, Any] = dict(
     # The shapes are learnt fastest at their own scale; large-scale jitter (--augment) is
     # for real data.
     augment=False,
-    epochs=10,
+    epochs=3,
     batch_size=8,
     lr=1e-3,
     weight_decay=0.05,
