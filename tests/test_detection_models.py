@@ -3,6 +3,7 @@ specs and refusals, and pareprop's model-wide setters acting on a detector."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -61,7 +62,9 @@ def batch(n: int = 2, size: int = 64, seed: int = 0):
 
 
 def tiny(arch: str = "maskrcnn", backbone: str = "rev_mvitv2_tiny", **kw):
-    args = dict(backbone_args=BACKBONES.get(backbone), fpn_channels=32, **SMALL_HEADS)
+    # ViTDet's heads, as wide as the small pyramid: torchvision's are 256 wide whatever it is.
+    args = dict(backbone_args=BACKBONES.get(backbone), fpn_channels=32, heads="vitdet",
+                **SMALL_HEADS)
     args.update(kw)
     if arch == "retinanet":
         for k in list(args):
@@ -73,7 +76,9 @@ def tiny(arch: str = "maskrcnn", backbone: str = "rev_mvitv2_tiny", **kw):
 @pytest.mark.parametrize("backbone", list(BACKBONES))
 def test_maskrcnn_trains_and_predicts(backbone):
     torch.manual_seed(0)
-    model = tiny(backbone=backbone)
+    # torchvision's own heads once; ViTDet's elsewhere.
+    heads = "torchvision" if backbone == "rev_mvitv2_tiny" else "vitdet"
+    model = tiny(backbone=backbone, heads=heads)
     assert type(model) is MaskRCNN
     feats = model.backbone(torch.zeros(1, 3, 64, 96))
     assert list(feats) == ["p2", "p3", "p4", "p5", "p6"]
@@ -97,7 +102,7 @@ def test_maskrcnn_trains_and_predicts(backbone):
 @pytest.mark.parametrize("arch,cls", [("fasterrcnn", FasterRCNN), ("retinanet", RetinaNet)])
 def test_other_archs(arch, cls):
     torch.manual_seed(0)
-    model = tiny(arch, heads="vitdet")
+    model = tiny(arch)
     assert type(model) is cls
     images, targets = batch()
     for t in targets:
@@ -110,7 +115,7 @@ def test_other_archs(arch, cls):
 def test_vitdet_heads():
     from torchvision.models.detection.faster_rcnn import FastRCNNConvFCHead
 
-    model = tiny(heads="vitdet")
+    model = tiny()
     assert len(model.rpn.head.conv) == 2  # RPNHead(conv_depth=2)
     assert isinstance(model.roi_heads.box_head, FastRCNNConvFCHead)
     norms = [m for m in model.roi_heads.mask_head.modules() if "LayerNorm" in type(m).__name__]
@@ -134,6 +139,16 @@ def test_spec_rebuilds_the_detector():
     assert all(torch.equal(x["boxes"], y["boxes"]) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="expected a detector spec"):
         detector_from_spec({"arch": "maskrcnn"})
+
+
+def test_spec_of_objects_is_refused():
+    from torchvision.models.detection.rpn import RPNHead
+
+    model = tiny(rpn_head=RPNHead(32, 3))
+    assert model.pareprop_spec["unrecorded"] == ["rpn_head"]
+    assert "rpn_head" not in model.pareprop_spec["kwargs"]
+    with pytest.raises(ValueError, match="rpn_head given as objects"):
+        detector_from_spec(model.pareprop_spec)
 
 
 def test_names_and_refusals():
@@ -188,5 +203,96 @@ def test_setters_reach_the_detector():
     assert all(s.engine == "autograd" for s in stacks)
     pareprop.set_chunking(model, chunks=2)
     assert all(s.chunking is not None for s in stacks)
-    model.backbone.set_grad_checkpointing(True)
+    model.set_grad_checkpointing(True)  # timm's name, as the trainer calls it
     assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
+    other = copy.deepcopy(model)
+    other.set_grad_checkpointing(False)  # the copy's own backbone
+    assert not any(stage.grad_checkpointing for stage in other.backbone.body.stages)
+    assert all(stage.grad_checkpointing for stage in model.backbone.body.stages)
+
+
+CONVERTED = {
+    "converted:vit_tiny_patch16_224": dict(embed_dim=16, depth=2, num_heads=2, img_size=64),
+    "converted:mvitv2_tiny": dict(depths=[1, 1, 1, 1], embed_dim=16, num_heads=1, img_size=64),
+    "converted:swin_tiny_patch4_window7_224": dict(
+        depths=[1, 1, 1, 1], embed_dim=16, num_heads=[1, 1, 1, 1], img_size=64, window_size=4),
+}
+
+
+@pytest.mark.parametrize("backbone", list(CONVERTED))
+def test_converted_backbones(backbone):
+    """A converted source starts at the coupling (1, 0), its blocks stored, with its precision
+    guard; set_coupling on the detector moves it and the spec records it."""
+    torch.manual_seed(0)
+    model = tiny(backbone=backbone, backbone_args=CONVERTED[backbone])
+    assert model.backbone.fixed_size == (64, 64)  # timm's sources take one size
+    assert pareprop.coupling_of(model) == (1.0, 0.0)
+    stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+    assert all(len(s.stored_blocks) == len(s.blocks) for s in stacks)
+    pareprop.set_coupling(model, 0.5, 0.5)
+    assert model.pareprop_spec["backbone_args"]["coupling"] == [0.5, 0.5]
+    images, targets = batch(1)
+    losses = model.train()(images, targets)
+    sum(losses.values()).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+    assert model.precision_guard.report is not None  # the guard measured this step
+    again = detector_from_spec(json.loads(json.dumps(model.pareprop_spec)))
+    assert pareprop.coupling_of(again) == (0.5, 0.5)
+
+
+def test_pretrained_file_reaches_the_trunk(tmp_path):
+    import timm
+
+    source = timm.create_model("vit_tiny_patch16_224", num_classes=0,
+                               **CONVERTED["converted:vit_tiny_patch16_224"])
+    torch.save(source.state_dict(), tmp_path / "vit.pth")
+    model = tiny(backbone="converted:vit_tiny_patch16_224",
+                 backbone_args=CONVERTED["converted:vit_tiny_patch16_224"],
+                 pretrained_file=str(tmp_path / "vit.pth"))
+    torch.testing.assert_close(model.backbone.body.patch_embed.proj.weight,
+                               source.patch_embed.proj.weight, rtol=0, atol=0)
+    trunk = pareprop.create_model("rev_mvitv2_tiny", num_classes=0,
+                                  **{k: v for k, v in TINY_MVIT.items()})
+    torch.save(trunk.state_dict(), tmp_path / "mvit.pth")
+    model = tiny(pretrained_file=str(tmp_path / "mvit.pth"))
+    torch.testing.assert_close(model.backbone.body.patch_embed.proj.weight,
+                               trunk.patch_embed.proj.weight, rtol=0, atol=0)
+
+
+def test_compile_blocks_reaches_the_detector():
+    model = tiny()
+    pareprop.compile_blocks(model)
+    compiled = pareprop.compiled_blocks(model)
+    blocks = [n for n, m in model.named_modules() if isinstance(m, pareprop.ReversibleBlock)]
+    assert compiled == blocks and all(n.startswith("backbone.body.") for n in blocks)
+    pareprop.uncompile_blocks(model)
+    assert pareprop.compiled_blocks(model) == []
+
+
+def test_memory_budget_reaches_the_detector():
+    model = tiny().train()
+    images, targets = batch()
+    plan = pareprop.set_memory_budget(model, 1.0, (images, targets))
+    assert set(plan.stored) == {n for n, m in model.named_modules()
+                                if isinstance(m, ReversibleStack)}
+
+
+def test_torchvision_source_keeps_no_unused_parameter():
+    """torchvision's Swin (converted) has no prune_intermediate_layers: its final norm and head
+    are dropped all the same, so every parameter left gets a gradient (as DDP needs)."""
+    torch.manual_seed(0)
+    model = tiny("fasterrcnn", "converted:swin_t", backbone_args=None)
+    assert model.backbone.fixed_size is None  # torchvision's Swin takes any size
+    images, targets = batch(1)
+    targets[0].pop("masks")
+    sum(model.train()(images, targets).values()).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+def test_small_detector_builds_from_its_spec():
+    from pareprop.detection import SMALL_DETECTOR
+
+    model = detector_from_spec(dict(SMALL_DETECTOR, num_classes=4))
+    assert type(model) is MaskRCNN and model.transform.min_size == (160,)
+    stacks = [m for m in model.modules() if isinstance(m, ReversibleStack)]
+    assert [len(s.blocks) for s in stacks] == [2, 1, 2]

@@ -10,7 +10,7 @@
 """
 
 from pareprop.detection.backbones import PyramidBackbone, build_backbone
-from pareprop.detection.factory import create_detector, detector_from_spec
+from pareprop.detection.factory import SMALL_DETECTOR, create_detector, detector_from_spec
 from pareprop.detection.heads import HEADS
 from pareprop.detection.names import (
     DETECTOR_ARCHS,
@@ -25,6 +25,7 @@ __all__ = [
     "LEVELS",
     "FPN",
     "PyramidBackbone",
+    "SMALL_DETECTOR",
     "SimpleFeaturePyramid",
     "build_backbone",
     "create_detector",

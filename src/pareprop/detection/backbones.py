@@ -135,8 +135,10 @@ def _prune(body: nn.Module, indices: List[int], keep_norm: bool) -> None:
     prune = getattr(body, "prune_intermediate_layers", None)
     if prune is not None:
         prune(indices, prune_norm=not keep_norm, prune_head=True)
-    else:
-        body.reset_classifier(0)
+        return
+    body.reset_classifier(0)
+    if not keep_norm and isinstance(getattr(body, "norm", None), nn.Module):
+        body.norm = nn.Identity()  # read by the classifier's path only
 
 
 def pyramid_backbone(

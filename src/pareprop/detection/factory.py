@@ -8,7 +8,9 @@ pareprop's model-wide setters (``set_engine``, ``set_chunking``, ``set_memory_bu
 the detector. ``set_coupling`` (converted backbones) also reads ``model.precision_guard`` and
 records the coupling in ``model.model_kwargs``; the detector carries the backbone trunk's guard
 under that name, and ``model_kwargs`` is the spec's ``backbone_args`` dict itself, so a
-checkpoint rebuilds the detector at the coupling it was saved at.
+checkpoint rebuilds the detector at the coupling it was saved at. torchvision's detectors have no
+``set_grad_checkpointing`` (timm's name, which the trainer calls): the detector's is the
+backbone's, bound to it (``copy.deepcopy`` binds the copy's to the copy's backbone).
 """
 
 from __future__ import annotations
@@ -21,23 +23,41 @@ import torch.nn as nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 
 from pareprop.detection.backbones import build_backbone
-from pareprop.detection.heads import head_kwargs
+from pareprop.detection.heads import HEADS, head_kwargs
 from pareprop.detection.names import DETECTOR_ARCHS, backbone_builder, check_arch
 from pareprop.engine import ENGINES
 
-__all__ = ["create_detector", "detector_from_spec"]
+__all__ = ["SMALL_DETECTOR", "create_detector", "detector_from_spec"]
 
 _CLASSES = {"maskrcnn": MaskRCNN, "fasterrcnn": FasterRCNN, "retinanet": RetinaNet}
 _SPEC_KEYS = ("arch", "backbone", "num_classes", "backbone_args", "fpn_channels", "kwargs")
 
+# A detector small enough to train on a CPU in minutes (160-pixel images): a Rev-MViTv2 of 8
+# blocks 32 wide, with reversible stacks in three of its four stages (2, 1 and 2 blocks), a
+# 64-wide pyramid and ViTDet's heads as narrow, and torchvision's proposal counts cut ~7x (2000
+# proposals and 512 sampled RoIs an image are sized for 800-pixel COCO images). The spec of
+# ``detector_from_spec(dict(SMALL_DETECTOR, num_classes=K + 1))``.
+SMALL_DETECTOR: Dict[str, Any] = {
+    "arch": "maskrcnn",
+    "backbone": "rev_mvitv2_tiny",
+    "backbone_args": {"embed_dim": 32, "depth": 8, "last_block_indexes": [1, 3, 6, 7],
+                      "img_size": 160},
+    "fpn_channels": 64,
+    "heads": "vitdet",
+    "kwargs": {"min_size": 160, "max_size": 160, "rpn_pre_nms_top_n_train": 600,
+               "rpn_post_nms_top_n_train": 300, "rpn_pre_nms_top_n_test": 300,
+               "rpn_post_nms_top_n_test": 100, "box_batch_size_per_image": 64},
+}
+
 
 def _plain(value: Any) -> bool:
-    """Whether ``value`` survives JSON unchanged (tuples become lists, which rebuild the same)."""
+    """Whether ``value`` is made of JSON values (tuples are kept as lists, which rebuild the
+    same)."""
     try:
-        return json.loads(json.dumps(value)) == json.loads(json.dumps(value, default=str)) and \
-            not isinstance(value, nn.Module)
+        json.dumps(value)
     except (TypeError, ValueError):
         return False
+    return True
 
 
 def _body(backbone: nn.Module) -> Optional[nn.Module]:
@@ -93,6 +113,8 @@ def create_detector(
         )
     if engine not in ENGINES:
         raise ValueError(f"expected engine in {ENGINES}, got {engine!r}")
+    if heads not in HEADS:
+        raise ValueError(f"unknown heads {heads!r}; expected one of {', '.join(HEADS)}")
     if backbone_args is not None and not isinstance(backbone_args, dict):
         raise ValueError(f"expected backbone_args a dict, got {backbone_args!r}")
     backbone_args = dict(backbone_args or {})
@@ -113,9 +135,9 @@ def create_detector(
         kwargs["image_std"] = list(cfg["std"])
     fixed = getattr(net, "fixed_size", None)
     if fixed is not None and "min_size" not in kwargs and "max_size" not in kwargs:
-        # A trunk of one input size: images resized to fit it (NOTE [ Backbones of a fixed
-        # input size ] in backbones.py).
-        kwargs["min_size"] = kwargs["max_size"] = min(fixed)
+        # A trunk of one input size: images resized to fit it once torchvision's transform pads
+        # the batch to a multiple of 32 (NOTE [ Backbones of a fixed input size ]).
+        kwargs["min_size"] = kwargs["max_size"] = max(min(fixed) // 32 * 32, 32)
     kwargs.update(head_kwargs(heads, arch, net.out_channels, num_classes, kwargs))
     # torchvision takes num_classes only where it builds the predictors itself.
     given_predictor = "box_predictor" in kwargs or "mask_predictor" in kwargs
@@ -135,6 +157,8 @@ def create_detector(
         spec["unrecorded"] = unrecorded
     detector.pareprop_spec = json.loads(json.dumps(spec))  # plain JSON values (lists)
     # NOTE [ A detector acts as a classifier does ]
+    if callable(getattr(net, "set_grad_checkpointing", None)):
+        detector.set_grad_checkpointing = net.set_grad_checkpointing
     if body is not None and getattr(body, "precision_guard", None) is not None:
         detector.precision_guard = body.precision_guard
         detector.model_kwargs = detector.pareprop_spec["backbone_args"]

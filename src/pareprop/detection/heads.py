@@ -16,7 +16,7 @@ a CPU step).
 
 from __future__ import annotations
 
-from functools import partial
+import math
 from typing import Any, Dict
 
 import torch.nn as nn
@@ -40,6 +40,11 @@ HEADS = ("torchvision", "vitdet", "small")
 ANCHOR_SIZES = (32, 64, 128, 256, 512)  # one per level, p2..p6
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 ROI_LEVELS = list(LEVELS[:4])  # RoI pooling reads p2..p5
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    # torchvision's v2 RetinaNet head uses 32 groups; fewer where the pyramid is narrower.
+    return nn.GroupNorm(math.gcd(32, channels), channels)
 
 
 def _rcnn_anchors() -> AnchorGenerator:
@@ -75,7 +80,7 @@ def head_kwargs(
         if heads == "vitdet":
             out["head"] = RetinaNetHead(
                 C, anchors.num_anchors_per_location()[0], num_classes,
-                norm_layer=partial(nn.GroupNorm, 32),
+                norm_layer=_group_norm,
             )
     else:
         anchors = given.get("rpn_anchor_generator") or _rcnn_anchors()
