@@ -41,9 +41,10 @@ LAYERS: List[Tuple[str, ...]] = [
     # checkpoint: pareprop checkpoint directories; pretrained: published weights.
     # data: the data config, image and video data sets, COCO-format detection data.
     ("pareprop.checkpoint", "pareprop.data", "pareprop.pretrained"),
-    # Detectors: torchvision's, on the models' trunks through feature pyramids; COCO AP.
+    # Detectors: torchvision's, on the models' trunks through feature pyramids; their COCO AP
+    # and pictures.
     ("pareprop.detection",),
-    ("pareprop.bench", "pareprop.trainer", "pareprop.evaluate"),
+    ("pareprop.bench", "pareprop.trainer", "pareprop.evaluate", "pareprop.evaluate_detection"),
     ("pareprop",),  # __init__.py: the public API, re-exported
     ("pareprop.cli", "pareprop.__main__"),
 ]
@@ -96,6 +97,7 @@ TRAINER_ORDER: List[str] = [
     "pareprop.trainer.setup",  # device, model and data, engine, loaders, optimizer
     "pareprop.trainer.state",  # the training state a checkpoint saves, and resuming it
     "pareprop.trainer.loop",  # a micro-batch, an optimizer step, an epoch, an evaluation
+    "pareprop.trainer.detection",  # the same for a detector (--task detection)
     "pareprop.trainer.run",  # Trainer: the set-up steps in order, then the epochs; train
     "pareprop.trainer",
 ]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
+from pareprop.engine import ReversibleStack
 from pareprop.memory.budget import apply_stored_blocks, stored_blocks
 from pareprop.models import create_model, model_spec
 
@@ -43,6 +44,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model",
+    "is_detector_spec",
     "atomic_write",
     "rng_state",
     "set_rng_state",
@@ -214,7 +216,7 @@ def save_checkpoint(
     from safetensors.torch import save_file, save_model
 
     model = _unwrap(model)
-    spec = model_spec(model)
+    spec = _spec_of(model)
     out_dir = os.fspath(out_dir)
     root = os.path.join(out_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
@@ -229,8 +231,11 @@ def save_checkpoint(
     try:
         weights = os.path.join(tmp_dir, WEIGHTS)
         header = {"format": FORMAT, "model": spec["name"]}
-        if "coupling" in spec["kwargs"]:  # NOTE [ The coupling travels with the weights ]
-            header["coupling"] = json.dumps([float(c) for c in spec["kwargs"]["coupling"]])
+        # A detector's coupling is its backbone's (NOTE [ A detector acts as a classifier
+        # does ] in detection/factory.py).
+        kwargs = spec["detector"]["backbone_args"] if is_detector_spec(spec) else spec["kwargs"]
+        if "coupling" in kwargs:  # NOTE [ The coupling travels with the weights ]
+            header["coupling"] = json.dumps([float(c) for c in kwargs["coupling"]])
         if state_dict is None:
             atomic_write(weights, lambda p: save_model(model, p, metadata=header))
         else:
@@ -265,6 +270,36 @@ def save_checkpoint(
         _point(os.path.join(out_dir, tag), os.path.relpath(final, out_dir))
     _prune(out_dir, root)
     return final
+
+
+# NOTE [ Detector checkpoints ]
+#     A detector is torchvision's own class, not a registered pareprop model, so it has no
+#     ``model_name``; it records how to rebuild it in ``detector.pareprop_spec`` (plain JSON:
+#     arch, backbone, classes, backbone and head options). model.json keeps that spec under
+#     ``model.detector`` with the engine its reversible stacks run now, and
+#     ``pareprop.evaluate_detection.load_detector`` rebuilds it with
+#     ``pareprop.detection.detector_from_spec`` (a layer above this module), then loads the
+#     safetensors weights with :func:`load_weights`: as for a classifier, loading a checkpoint
+#     never executes code from it. ``load_model`` refuses a detector's checkpoint, naming
+#     ``load_detector``.
+
+
+def _spec_of(model: nn.Module) -> Dict[str, Any]:
+    """model.json's ``model``: a registered model's spec, or a detector's (NOTE [ Detector
+    checkpoints ])."""
+    detector = getattr(model, "pareprop_spec", None)
+    if detector is None:
+        return model_spec(model)
+    name = f"{detector['arch']}:{detector['backbone']}"
+    # The engine its stacks run now (set_engine after creation changes it).
+    engines = {m.engine for m in model.modules() if isinstance(m, ReversibleStack)}
+    return {"name": name, "detector": json.loads(json.dumps(detector)),
+            "engine": engines.pop() if len(engines) == 1 else None}
+
+
+def is_detector_spec(spec: Any) -> bool:
+    """Whether model.json's ``model`` describes a detector (NOTE [ Detector checkpoints ])."""
+    return isinstance(spec, dict) and isinstance(spec.get("detector"), dict)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -423,6 +458,11 @@ def load_model(path: PathLike, map_location: Any = "cpu", **overrides: Any) -> n
     (``data_config`` in model.json) goes into the model's ``pretrained_cfg``."""
     ckpt = load_checkpoint(path, map_location=map_location, train_state=False)
     spec = ckpt.meta["model"]
+    if is_detector_spec(spec):
+        raise CheckpointError(
+            f"{ckpt.path!r} holds the detector {spec['name']}: load it with "
+            "pareprop.evaluate_detection.load_detector (NOTE [ Detector checkpoints ])"
+        )
     model = create_model(spec["name"], **{**spec["kwargs"], **overrides})
     load_weights(model, ckpt)
     data_config = ckpt.meta.get("data_config")

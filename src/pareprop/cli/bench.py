@@ -35,6 +35,7 @@ from pareprop.cli.options import (
     non_negative_int,
     output_folder,
     positive_int,
+    refuse_detectors,
 )
 from pareprop.engine import ENGINES
 from pareprop.memory.drift import drift_report
@@ -161,6 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     config = _config(args)
     try:
+        refuse_detectors(config.models, "bench")
         config.validate()
         if args.drift:
             return _drift(config, args.out)

@@ -10,6 +10,8 @@ Examples::
     pareprop eval --model rev_mvit_base_16x4 --pretrained --data-dir kinetics400/val --amp bf16
     pareprop eval --model converted:swin_tiny_patch4_window7_224 --pretrained \
         --data-dir imagenet/val
+    pareprop eval --checkpoint runs/detection/best          # a detector: COCO AP on its run's data
+    pareprop eval --checkpoint runs/detection/best --data-dir coco   # or on a COCO-layout folder
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 import pareprop
 from pareprop.catalog import converted_source
-from pareprop.checkpoint import META, CheckpointError
+from pareprop.checkpoint import META, CheckpointError, is_detector_spec, load_checkpoint
 from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
@@ -32,6 +34,11 @@ from pareprop.convert.timm_pretrained import load_timm_pretrained
 from pareprop.data import is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
+from pareprop.evaluate_detection import (
+    detector_of_checkpoint,
+    evaluate_detector,
+    is_detection_config,
+)
 from pareprop.models.published import PretrainedError, read_state
 
 __all__ = ["main", "build_parser"]
@@ -54,14 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", metavar="PATH", type=existing_path,
                      help="a PySlowFast or mmpretrain weight file, a .safetensors file, or a "
                      "pareprop checkpoint directory")
-    p.add_argument("--data-dir", required=True, metavar="DIR",
+    p.add_argument("--data-dir", metavar="DIR",
                    help="one sub-folder of images per class; for a video model, one sub-folder "
                    "of videos per class or a CSV of path,label rows (top-1/top-5 over 5 clips x "
-                   "1 crop per video, averaged)")
+                   "1 crop per video, averaged); for a detector's checkpoint, COCO-format data "
+                   "(annotations/instances_val*.json and its images: COCO AP), by default the "
+                   "validation data of its run")
     p.add_argument("--model-arg", dest="model_args", action="append", default=[],
                    metavar="KEY=VALUE", help="override a model config field (repeatable)")
     p.add_argument("--engine", choices=ENGINES, help="switch the reversible stacks first")
-    p.add_argument("--amp", choices=("none", "bf16"), default="none")
+    p.add_argument("--amp", choices=("none", "bf16"),
+                   help="autocast (default none; a detector's checkpoint: its run's)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="images (or videos, of 5 clips each) per forward; default 64 images "
                    "or 4 videos")
@@ -205,6 +215,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # Checked before the model is built and the folder read: nothing is lost to a typo.
         _check_options(args)
+        detection = _detection_checkpoint(args)
+        if detection is not None:
+            return _report(_evaluate_detector(args, detection), args)
+        if args.data_dir is None:
+            raise ValueError("--data-dir DIR is needed (a folder of class folders), except for "
+                             "a detector's checkpoint, which names its run's data")
         model = build_model(args)
         result = evaluate(
             model,
@@ -212,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             batch_size=args.batch_size or (4 if is_video_model(model) else 64),
             workers=args.workers,
             engine=args.engine,
-            amp=args.amp,
+            amp=args.amp or "none",
             device=None if args.device is None else torch.device(args.device),
             progress=not args.no_progress,
             limit=args.limit,
@@ -222,6 +238,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     result = {"model": getattr(model, "model_name", args.model),
               "weights": args.checkpoint or "pretrained", **result}
+    return _report(result, args)
+
+
+def _detection_checkpoint(args: argparse.Namespace):
+    """The loaded checkpoint when ``--checkpoint`` is a detector's, else None."""
+    if not (args.checkpoint and _is_pareprop_checkpoint(args.checkpoint)):
+        return None
+    ckpt = load_checkpoint(args.checkpoint, train_state=False)
+    return ckpt if is_detector_spec(ckpt.meta.get("model")) else None
+
+
+def _evaluate_detector(args: argparse.Namespace, ckpt) -> dict:
+    """COCO AP of a detector's checkpoint on its run's validation data (or ``--data-dir``):
+    the numbers its run logged (NOTE [ The same AP in training and evaluation ] in
+    pareprop/evaluate_detection.py)."""
+    overrides = _parse_model_args(args.model_args)
+    if args.engine is not None:
+        overrides["engine"] = args.engine
+    if args.limit is not None:
+        raise ValueError("--limit is for classifiers; a detector is evaluated on the whole "
+                         "validation set (COCO AP)")
+    config = ckpt.meta.get("data_config")
+    if not is_detection_config(config):
+        raise CheckpointError(f"{ckpt.path!r} holds a detector but no detection data config")
+    run_amp = (ckpt.meta.get("config") or {}).get("amp")
+    amp = args.amp or ("bf16" if run_amp == "bf16" else "none")  # as its run validated
+    model = detector_of_checkpoint(ckpt, **overrides)
+    result = evaluate_detector(
+        model, config, data_dir=args.data_dir, amp=amp, workers=args.workers,
+        batch_size=args.batch_size,
+        device=None if args.device is None else torch.device(args.device),
+    )
+    return {"model": ckpt.meta["model"]["name"], "weights": ckpt.path, "epoch": ckpt.epoch,
+            **result}
+
+
+def _report(result: dict, args: argparse.Namespace) -> int:
+    """Print ``result`` as JSON and, with --json, write it there."""
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

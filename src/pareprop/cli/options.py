@@ -20,6 +20,7 @@ import os
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from pareprop.convert import check_coupling
+from pareprop.detection import DETECTOR_ARCHS
 from pareprop.devices import device_here
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "existing_path",
     "output_folder",
     "CouplingPair",
+    "refuse_detectors",
 ]
 
 
@@ -138,3 +140,18 @@ class CouplingPair(argparse.Action):
         except ValueError as e:
             raise argparse.ArgumentError(self, str(e)) from None
         setattr(namespace, self.dest, pair)
+
+
+def refuse_detectors(names: Sequence[str], command: str) -> None:
+    """Refuse detector names (``ARCH:BACKBONE``) in one line: ``plan`` and ``bench`` measure
+    classifiers (a detector's proposal selection and NMS do not run on the fake tensors the
+    planner uses)."""
+    for name in names:
+        arch, sep, _ = name.partition(":")
+        if sep and arch in DETECTOR_ARCHS:
+            raise ValueError(
+                f"{name} is a detector; pareprop {command} measures classifiers only (a "
+                f"detector's proposals and NMS have no fixed size to plan). Measure a detector's "
+                f"training step with pareprop train --task detection, or give its backbone "
+                f"({name.split(':', 1)[1]}) here"
+            )

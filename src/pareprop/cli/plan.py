@@ -37,6 +37,7 @@ from pareprop.cli.options import (
     fraction,
     output_folder,
     positive_int,
+    refuse_detectors,
 )
 from pareprop.memory import parse_memory
 from pareprop.memory.sweep import format_plan, plan_sweep
@@ -112,6 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "has none: add reversible or pareprop, or drop --memory-budgets"
             )
         _check_coupling(args)
+        refuse_detectors(_split(args.models), "plan")
         extra = {} if args.depth is None else {"depth": args.depth}
         if args.num_frames is not None:
             extra["num_frames"] = args.num_frames

@@ -19,7 +19,9 @@ from pareprop.convert import converted_model_name
 from pareprop.data import DatasetNotFoundError
 from pareprop.trainer import (
     AMP_MODES,
+    DETECTION_DEFAULTS,
     PRESETS,
+    TASKS,
     NonFiniteLossError,
     TrainConfig,
     TrainingInterrupted,
@@ -53,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_options(g: Any, d: TrainConfig) -> None:
+    g.add_argument("--task", help="classification, or detection: a detector (--model "
+                   "ARCH:BACKBONE, default maskrcnn:rev_mvitv2_tiny) on COCO-format data "
+                   "(--dataset DIR, default the built-in shapes), validated by COCO AP "
+                   "(default classification; docs/detection.md)")
     g.add_argument("--model", help=f"registered model name (default {d.model})")
     g.add_argument(
         "--model-arg",
@@ -248,6 +254,14 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
     if "num_classes" in ns:
         model_args["num_classes"] = ns.pop("num_classes")
     values.update(ns)
+    explicit = set(values)
+    task = values.get("task", "classification")
+    if task not in TASKS:
+        raise ValueError(f"expected --task one of {', '.join(TASKS)}, got {task!r}")
+    if task == "detection":
+        # A detection run starts from its own defaults (model, data, schedule); what the
+        # file and the flags give still wins.
+        values = {**DETECTION_DEFAULTS, **values}
     converted = converted_model_name(values["convert_from"]) if values.get("convert_from") \
         else None
     if converted and values.get("model") not in (None, converted):
@@ -261,13 +275,15 @@ def resolve_options(argv: Sequence[str]) -> Tuple[TrainConfig, Set[str]]:
         base = values.get("model_kwargs")
         if base is None:
             d = TrainConfig()
-            model = converted or values.get("model", d.model)
+            model = converted or values.get("model", d.model)  # detection: filled in above
             key = (model, values.get("dataset", d.dataset))
             base = PRESETS.get(key, {})
         if not isinstance(base, dict):
             raise ValueError(f"expected model_kwargs to be a mapping, got {base!r}")
         values["model_kwargs"] = {**base, **model_args}
-    return TrainConfig.from_dict(values), set(values)
+    # The task's defaults are not options given: a resumed run keeps its own.
+    given = set(values) - (set(DETECTION_DEFAULTS) - explicit)
+    return TrainConfig.from_dict(values), given
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

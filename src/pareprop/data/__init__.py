@@ -1,6 +1,7 @@
 """Data for training and evaluation: the data config (``config``), image data sets
 (``images``), video decoding and clip data sets (``video``), and COCO-format detection data
-(``coco``, ``shapes``, ``detection_transforms``, imported by name: they need pycocotools).
+(``coco``, ``shapes``, ``detection_transforms``: imported by their module names, so that image
+and video training loads neither pycocotools nor torchvision's transforms).
 """
 
 from pareprop.data.config import (

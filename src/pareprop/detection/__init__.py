@@ -6,7 +6,7 @@
 * ``backbones``: a reversible trunk's features through its pyramid;
 * ``heads``: anchors, RoI pooling and torchvision's heads (its defaults or ViTDet's);
 * ``factory``: :func:`create_detector` and :func:`detector_from_spec`;
-* ``coco_eval``: COCO AP (pycocotools' COCOeval); ``visualize``: pictures of predictions;
+* ``coco_eval`` (COCO AP) and ``visualize`` (pictures of predictions), imported by name;
 * ``detectron2``: detectron2's MViTv2 and ViTDet backbones, made reversible, with its weights.
 """
 

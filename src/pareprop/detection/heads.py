@@ -8,6 +8,10 @@ convolution, and the mask head with a norm, their convolutions as wide as the py
 RetinaNet's head with GroupNorm (torchvision's v2 recipe). The norm is LayerNorm over channels,
 as ViTDet's "LN": it acts on each sample alone, so a step is the same whatever the batch split
 (DDP, chunks).
+``heads="small"`` keeps torchvision's layout at the pyramid's width: two fully connected layers
+of ``4 * out_channels`` features for boxes, 2 convolutions of ``out_channels`` for masks (the
+default detection run on the shapes, where torchvision's 256-wide mask head would cost most of
+a CPU step).
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from typing import Any, Dict
 import torch.nn as nn
 from timm.layers import LayerNorm2d
 from torchvision.models.detection.anchor_utils import AnchorGenerator
-from torchvision.models.detection.faster_rcnn import FastRCNNConvFCHead, FastRCNNPredictor
+from torchvision.models.detection.faster_rcnn import (
+    FastRCNNConvFCHead,
+    FastRCNNPredictor,
+    TwoMLPHead,
+)
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.models.detection.retinanet import RetinaNetHead
 from torchvision.models.detection.rpn import RPNHead
@@ -28,7 +36,7 @@ from pareprop.detection.pyramid import LEVELS
 
 __all__ = ["HEADS", "ANCHOR_SIZES", "head_kwargs"]
 
-HEADS = ("torchvision", "vitdet")
+HEADS = ("torchvision", "vitdet", "small")
 ANCHOR_SIZES = (32, 64, 128, 256, 512)  # one per level, p2..p6
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 ROI_LEVELS = list(LEVELS[:4])  # RoI pooling reads p2..p5
@@ -88,5 +96,12 @@ def head_kwargs(
             out["box_predictor"] = FastRCNNPredictor(1024, num_classes)
             if arch == "maskrcnn":
                 out["mask_head"] = MaskRCNNHeads(C, [C] * 4, 1, norm_layer=LayerNorm2d)
+                out["mask_predictor"] = MaskRCNNPredictor(C, C, num_classes)
+        elif heads == "small":
+            width = 4 * C
+            out["box_head"] = TwoMLPHead(C * 7 * 7, width)
+            out["box_predictor"] = FastRCNNPredictor(width, num_classes)
+            if arch == "maskrcnn":
+                out["mask_head"] = MaskRCNNHeads(C, [C] * 2, 1)
                 out["mask_predictor"] = MaskRCNNPredictor(C, C, num_classes)
     return {k: v for k, v in out.items() if k not in given}

@@ -18,12 +18,14 @@ One job per module, in the order a run meets them:
 * :mod:`~pareprop.trainer.loop`: a micro-batch, an optimizer step, an epoch, an evaluation.
 * :mod:`~pareprop.trainer.run`: :class:`Trainer` (the set-up steps in order, then the epochs)
   and :func:`train`.
+* :mod:`~pareprop.trainer.detection`: :class:`DetectionTrainer`, the set-up, epoch and
+  evaluation of ``--task detection`` (a torchvision detector, COCO AP).
 """
 
 # Importable from here as when this was one module (the CLI, the tests and the docs use
 # AMP_MODES, PRESETS and TIMING_KEYS); __all__ keeps the names it had.
 # ruff: noqa: F401
-from pareprop.trainer.config import AMP_MODES, PRESETS, TrainConfig
+from pareprop.trainer.config import AMP_MODES, DETECTION_DEFAULTS, PRESETS, TASKS, TrainConfig
 from pareprop.trainer.loop import NonFiniteLossError
 from pareprop.trainer.report import TIMING_KEYS
 from pareprop.trainer.run import Trainer, TrainingInterrupted, train

@@ -19,6 +19,11 @@ from pareprop.memory.budget import parse_budget
 from pareprop.trainer.finetune import apply_convert_options
 
 AMP_MODES = ("none", "bf16", "fp16")
+# What a run learns: classification (an image, video or text classifier) or detection (a
+# torchvision detector on COCO-format data; pareprop.trainer.detection).
+TASKS = ("classification", "detection")
+# The data sets that are classification data: a detection run refuses them by name.
+CLASSIFICATION_DATASETS = ("digits", "cifar10", "cifar100")
 # Seeds from 0 to 2**32 - 1: numpy's range, and each epoch's seed (seed + 7919 * epoch + rank)
 # stays within the 64 bits torch.manual_seed takes.
 MAX_SEED = 2**32 - 1
@@ -33,13 +38,44 @@ PRESETS: Dict[Tuple[str, str], Dict[str, Any]] = {
     ("rev_vit_tiny_patch4_32", "digits"): dict(
         img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=4, num_heads=4
     ),
+    # The default detector at shapes scale (pareprop.trainer.detection): a narrow, shallow
+    # Rev-MViTv2 over 128x128 images, a 64-channel pyramid and small RPN/RoI samples, so that
+    # ``pareprop train --task detection`` reaches box AP50 >= 0.5 on a 2-core CPU in about
+    # ten minutes (BENCHMARKS.md, "Detection").
+    ("maskrcnn:rev_mvitv2_tiny", "shapes"): dict(
+        backbone_args=dict(embed_dim=32, depth=4, last_block_indexes=[0, 1, 2, 3],
+                           window_size=8, kv_stride=2, img_size=128),
+        fpn_channels=64, heads="small", min_size=128, max_size=128,
+        rpn_batch_size_per_image=64, box_batch_size_per_image=64,
+        rpn_pre_nms_top_n_train=300, rpn_post_nms_top_n_train=100,
+        rpn_pre_nms_top_n_test=300, rpn_post_nms_top_n_test=100, box_detections_per_img=20,
+    ),
 }
+# A detection run's defaults where they differ from a classification run's: the options
+# ``pareprop train --task detection`` starts from (the CLI fills them in; see
+# :meth:`TrainConfig.for_task`). Chosen for the default run on the shapes (BENCHMARKS.md).
+DETECTION_DEFAULTS: Dict[str, Any] = dict(
+    model="maskrcnn:rev_mvitv2_tiny",
+    dataset="shapes",
+    # The shapes are learnt fastest at their own scale; large-scale jitter (--augment) is
+    # for real data.
+    augment=False,
+    epochs=3,
+    batch_size=8,
+    lr=1e-3,
+    weight_decay=0.05,
+    warmup_epochs=1.0,
+    label_smoothing=0.0,
+    out="runs/detection",
+)
 
 
 @dataclass
 class TrainConfig:
     """Everything a training run depends on; defaults train the digits model in minutes."""
 
+    # classification or detection (TASKS); a detection run's defaults: DETECTION_DEFAULTS.
+    task: str = "classification"
     model: str = "rev_vit_tiny_patch4_32"
     model_kwargs: Optional[Dict[str, Any]] = None  # None: PRESETS[(model, dataset)] or {}
     engine: str = "reversible"
@@ -102,6 +138,10 @@ class TrainConfig:
     coupling_steps: Optional[int] = None  # None: one epoch
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"expected --task one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task == "detection":
+            _check_detection(self)
         apply_convert_options(self)
         if self.amp not in AMP_MODES:
             raise ValueError(f"expected --amp one of {', '.join(AMP_MODES)}, got {self.amp!r}")
@@ -158,6 +198,13 @@ class TrainConfig:
             raise ValueError(f"expected clip_grad > 0 (or 0 for none), got {self.clip_grad}")
 
     @classmethod
+    def for_task(cls, task: str, **options: Any) -> TrainConfig:
+        """A config of ``task`` with that task's defaults (DETECTION_DEFAULTS for detection),
+        ``options`` overriding them."""
+        defaults = DETECTION_DEFAULTS if task == "detection" else {}
+        return cls(task=task, **{**defaults, **options})
+
+    @classmethod
     def fields(cls) -> List[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
@@ -175,6 +222,29 @@ class TrainConfig:
             )
         types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
         return cls(**{k: _coerce(k, v, types[k]) for k, v in d.items()})
+
+
+def _check_detection(cfg: TrainConfig) -> None:
+    """Refuse, in one line each, what a detection run cannot take."""
+    if cfg.dataset in CLASSIFICATION_DATASETS:
+        raise ValueError(
+            f"--task detection trains on COCO-format data (the built-in shapes, or a folder "
+            f"with annotations/instances_train.json), got the classification data set "
+            f"{cfg.dataset!r}: pass --dataset shapes or --dataset DIR, or drop --task detection"
+        )
+    if ":" not in cfg.model:
+        raise ValueError(
+            f"--task detection trains a detector named ARCH:BACKBONE (e.g. "
+            f"{DETECTION_DEFAULTS['model']}), got the classifier {cfg.model!r}"
+        )
+    for name, what in (("convert_from", "--convert-from"), ("layer_decay", "--layer-decay"),
+                       ("memory_budget", "--memory-budget"), ("pretrained", "--pretrained")):
+        if getattr(cfg, name):
+            raise ValueError(f"{what} is for classification runs; a detector's backbone "
+                             f"options go in --model-arg (backbone_args=..., pretrained_file=...)")
+    if cfg.fsdp:
+        raise ValueError("--fsdp is for classification runs; train a detector with DDP "
+                         "(torchrun without --fsdp)")
 
 
 def _coerce(name: str, value: Any, type_name: str) -> Any:

@@ -10,8 +10,10 @@ import time
 from typing import Any, Dict, Iterable, List, Optional
 
 from pareprop import distributed as dist_lib
+from pareprop.checkpoint import is_detector_spec, load_checkpoint
 from pareprop.trainer import rundir
 from pareprop.trainer.config import TrainConfig
+from pareprop.trainer.detection import DetectionLoop, DetectionRun, DetectionSetup
 from pareprop.trainer.directory import RunDirectory
 from pareprop.trainer.loop import NonFiniteLossError, TrainLoop
 from pareprop.trainer.report import EPOCH_SCALARS, RunReport, peak_mem_mb
@@ -56,7 +58,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         self._setup_optimizer()
         self.epoch, self.step = 0, 0
         self.saved_epoch = 0  # the epoch of the last checkpoint written (or resumed from)
-        self.best = {"val_acc": -1.0, "epoch": 0}
+        self.best = {self.BEST_KEY: -1.0, "epoch": 0}
         self.step_losses: List[float] = []
         self.last_checkpoint: Optional[str] = None
         self._lock: Optional[rundir.RunLock] = None
@@ -102,8 +104,9 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
     def _train_epochs(self) -> Dict[str, Any]:
         cfg = self.cfg
         n_params = sum(p.numel() for p in self.model.parameters())
+        name = getattr(self.model, "model_name", cfg.model)  # a detector: its ARCH:BACKBONE
         self._log(
-            f"{self.model.model_name} ({n_params / 1e6:.2f}M params, engine {cfg.engine}) on "
+            f"{name} ({n_params / 1e6:.2f}M params, engine {cfg.engine}) on "
             f"{self.data.name}: {len(self.data.train)} train / {len(self.data.val)} val, "
             f"{self.dist.world_size} process(es) on {self.device}, "
             f"epochs {self.epoch + 1}-{cfg.epochs}, run directory {cfg.out}"
@@ -122,7 +125,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         if metrics:
             self._log(
                 f"done: {summary['epochs_run']} epoch(s) in {summary['time_s']:.1f}s; best "
-                f"val_acc {self.best['val_acc']:.4f} at epoch {self.best['epoch']}; "
+                f"{self.BEST_KEY} {self.best[self.BEST_KEY]:.4f} at epoch {self.best['epoch']}; "
                 f"checkpoints in {os.path.join(cfg.out, 'last')} and "
                 f"{os.path.join(cfg.out, 'best')}; metrics in "
                 f"{os.path.join(cfg.out, 'metrics.jsonl')}"
@@ -155,11 +158,26 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         return metrics
 
 
+class DetectionTrainer(DetectionRun, DetectionSetup, DetectionLoop, Trainer):
+    """:class:`Trainer` for ``--task detection`` (pareprop/trainer/detection.py): a detector on
+    COCO-format data, validated by COCO AP, its best checkpoint the one of the highest box AP."""
+
+
 def train(cfg: TrainConfig, given: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Run ``cfg`` in this process, or in each process of a torchrun job. ``given``: the
     options set explicitly (see :class:`Trainer`)."""
+    trainer_class = _trainer_class(cfg)
     dist = dist_lib.init(cfg.device)
     try:
-        return Trainer(cfg, dist, given).fit()
+        return trainer_class(cfg, dist, given).fit()
     finally:
         dist_lib.shutdown(dist)
+
+
+def _trainer_class(cfg: TrainConfig) -> type:
+    """The trainer of the run's task: the resumed checkpoint's, else the config's."""
+    task = cfg.task
+    if cfg.resume is not None:
+        spec = load_checkpoint(cfg.resume, train_state=False).meta.get("model")
+        task = "detection" if is_detector_spec(spec) else "classification"
+    return DetectionTrainer if task == "detection" else Trainer

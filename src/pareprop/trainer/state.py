@@ -42,6 +42,9 @@ class TrainState:
     ``last_checkpoint``.
     """
 
+    # The validation metric that picks the ``best`` checkpoint (higher is better).
+    BEST_KEY = "val_acc"
+
     def _load_train_state(self, ck: ckpt_lib.Checkpoint) -> None:
         st = ck.train_state
         if st is None:
@@ -139,9 +142,10 @@ class TrainState:
 
     def save(self, metrics: Dict[str, Any]) -> None:
         """Checkpoint after an epoch on process 0 (all processes take part in gathering RNG)."""
-        is_best = metrics["val_acc"] > self.best["val_acc"]
+        key = self.BEST_KEY  # val_acc, or a detection run's bbox_AP
+        is_best = metrics[key] > self.best[key]
         if is_best:
-            self.best = {"val_acc": metrics["val_acc"], "epoch": self.epoch}
+            self.best = {key: metrics[key], "epoch": self.epoch}
         state = self._train_state()
         # A sharded model's weights are gathered by every process (collectives), written by 0.
         weights = dist_lib.full_state_dict(self.model) if self.cfg.fsdp else None
