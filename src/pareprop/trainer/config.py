@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from pareprop.devices import check_device_name
 from pareprop.engine.chunk_cost import parse_chunking
 from pareprop.memory.budget import parse_budget
+from pareprop.memory.step import AMP_MODES
 from pareprop.trainer.finetune import apply_convert_options
 
-AMP_MODES = ("none", "bf16", "fp16")
 # Seeds from 0 to 2**32 - 1: numpy's range, and each epoch's seed (seed + 7919 * epoch + rank)
 # stays within the 64 bits torch.manual_seed takes.
 MAX_SEED = 2**32 - 1
