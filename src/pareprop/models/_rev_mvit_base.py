@@ -19,7 +19,7 @@ import torch.nn as nn
 from pareprop.engine import ENGINES, ReversibleStack
 from pareprop.models._base import drop_path_rates, make_head, stage_group_matcher
 from pareprop.models._features import StageEnd
-from pareprop.models.mvit import MViTStage, checkpoint_stage_end
+from pareprop.models.mvit import MViTStage, MViTStagesMixin, checkpoint_stage_end
 from pareprop.models.published import PretrainedError, detect_layout
 
 __all__ = [
@@ -156,7 +156,7 @@ def rename_pyslowfast(
     return out
 
 
-class RevMViTFamilyMixin:
+class RevMViTFamilyMixin(MViTStagesMixin):
     """The stages and head of a published Rev-MViT; the model supplies its stem
     (``_stem``), its transitions (``_make_transition``) and its blocks (``_make_block``).
 
@@ -173,10 +173,10 @@ class RevMViTFamilyMixin:
     head: nn.Module
     grad_checkpointing: bool
 
-    def _make_transition(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
+    def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
         raise NotImplementedError
 
-    def _make_block(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
+    def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
         raise NotImplementedError
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,29 +230,12 @@ class RevMViTFamilyMixin:
         block in depth order (a transition before its stage's stack), then the head."""
         return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
 
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self._replace_head(num_classes)  # type: ignore[attr-defined]
-        self.head.to(self.norm.weight.device, self.norm.weight.dtype)
-
     # -- forward --------------------------------------------------------------------------
 
     def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
         # Per token, as published (before the mean).
         return checkpoint_stage_end(self.norm, x, self.grad_checkpointing)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Inputs to the normalised last map ``(B, [T',] H', W', num_features)``."""
-        x = self._stem(x)
-        for stage in self.stages:
-            x = stage.forward_ends(x)
-        return self._end(x)
-
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.head_drop(x.flatten(1, -2).mean(dim=1))  # (B, F)
         return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))

@@ -42,7 +42,7 @@ from timm.layers import trunc_normal_
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ReversibleBlock
 from pareprop.engine.recompute import maybe_checkpoint
-from pareprop.layers import Mlp, PatchEmbed, check_image, make_config, to_2tuple_int
+from pareprop.layers import Mlp, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
 from pareprop.models._base import ReversibleImageModelMixin, init_linears_
@@ -56,6 +56,7 @@ from pareprop.models._rev_mvit_base import (
     plan_stages,
     rename_pyslowfast,
 )
+from pareprop.models.mvit import MViTTransition
 from pareprop.models.published import PretrainedError
 
 __all__ = [
@@ -154,7 +155,7 @@ class RevMViTv1Block(ReversibleBlock):
         return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
-class RevMViTv1Transition(nn.Module):
+class RevMViTv1Transition(MViTTransition):
     """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B ]):
     ``(B, H, W, C) -> (B, ceil(H/2), ceil(W/2), C)``.
 
@@ -184,20 +185,9 @@ class RevMViTv1Transition(nn.Module):
             self.fuse = Mlp(dim, int(dim * fusion_mlp_ratio), act_layer=nn.GELU)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = MultiScaleAttention(dim, num_heads, qkv_bias, pool_kernel, 2, kv_stride)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self._init_mlp_branch(dim, mlp_ratio, drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)
-
-    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/engine/recompute.py): the fusion MLP, the pooled shortcut, pooling attention
-    # and the MLP all stay inside a sample.
-    def split(self, x: torch.Tensor) -> Split:
-        return Split.samples(x.shape[0])
-
+    # In a sample: the fusion MLP, the pooled shortcut, pooling attention and the MLP.
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
         B, H, W, C = x.shape
@@ -210,9 +200,7 @@ class RevMViTv1Transition(nn.Module):
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, Hq * Wq, C)  # (B, N', C)
         a, _ = self.attn(self.norm1(x), (H, W))  # (B, N', C)
-        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
-        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
-        return x.view(B, Hq, Wq, C)  # (B, H', W', C)
+        return self._residuals(shortcut, a, chunk).view(B, Hq, Wq, C)  # (B, H', W', C)
 
 
 class RevMViTv1(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
@@ -227,17 +215,8 @@ class RevMViTv1(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleImageModelMixi
         cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
         check_family_config(cfg)
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(
-            cfg.in_chans,
-            cfg.embed_dim,
-            cfg.patch_kernel,
-            cfg.patch_stride,
-            cfg.patch_padding,
-            flatten=False,
-        )
-        self.grid_size = grid = self.patch_embed.output_size(cfg.img_size)
-        if min(grid) < 1:
-            raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
+        grid = self._init_patch_embed(cfg, cfg.img_size, f"img_size {cfg.img_size}")
+        self.grid_size = grid
         self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], cfg.embed_dim))
         self._build_stages(plan_stages(cfg, q_stride=2), lambda s: cfg.patch_stride * 2**s)
         self._set_image_pretrained_cfg(
@@ -245,19 +224,19 @@ class RevMViTv1(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleImageModelMixi
         )
         self._init_weights()
 
-    def _make_transition(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
+    def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
         # Width 2C in and out: the previous stack's streams side by side.
         return RevMViTv1Transition(
             p.width,
             p.num_heads,
             p.kv_stride,  # type: ignore[arg-type]
-            drop_path=drop_path,
+            drop_path=path_rate,
             fusion_mlp_ratio=self.cfg.fusion_mlp_ratio,
             **common,
         )
 
-    def _make_block(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
-        return RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=drop_path, **common)
+    def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        return RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=path_rate, **common)
 
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)

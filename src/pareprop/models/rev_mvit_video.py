@@ -41,12 +41,11 @@ from typing import Any, Dict, Set, Tuple
 
 import torch
 import torch.nn as nn
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import trunc_normal_
 
-from pareprop.chunking import Chunk, Split
+from pareprop.chunking import Chunk
 from pareprop.engine.recompute import maybe_checkpoint
-from pareprop.layers import PatchEmbed, make_config
-from pareprop.layers.drop import DropPath, drop_path
+from pareprop.layers import make_config
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
 from pareprop.models._base import ReversibleModelMixin, init_linears_
 from pareprop.models._features import StageFeaturesMixin
@@ -59,6 +58,7 @@ from pareprop.models._rev_mvit_base import (
     plan_stages,
     rename_pyslowfast,
 )
+from pareprop.models.mvit import MViTTransition
 from pareprop.models.published import PretrainedError
 from pareprop.models.rev_mvit import RevMViTv1Block  # the same reversible blocks, in 3-D
 
@@ -135,7 +135,7 @@ def _check_config(cfg: RevMViTVideoConfig) -> None:
             )
 
 
-class RevMViTVideoTransition(nn.Module):
+class RevMViTVideoTransition(MViTTransition):
     """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B 16x4 ]):
     ``(B, T, H, W, 2 * dim) -> (B, T', H', W', dim_out)``, the input being the previous stack's
     two streams side by side.
@@ -180,20 +180,9 @@ class RevMViTVideoTransition(nn.Module):
         )
         if self.attn.pool_q is None:
             raise ValueError(f"a transition pools its queries; got q_stride {q_stride}")
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim_out, eps=1e-6)
-        self.mlp = Mlp(dim_out, int(dim_out * mlp_ratio), act_layer=nn.GELU)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self._init_mlp_branch(dim_out, mlp_ratio, drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)
-
-    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/engine/recompute.py): the stream average, the pooled shortcut, pooling
-    # attention and the MLP all stay inside a clip.
-    def split(self, x: torch.Tensor) -> Split:
-        return Split.samples(x.shape[0])
-
+    # In a clip: the stream average, the pooled shortcut, pooling attention and the MLP.
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         """The block on ``chunk``'s clips of the batch (``None``: the whole batch)."""
         B, T, H, W, C2 = x.shape
@@ -206,9 +195,7 @@ class RevMViTVideoTransition(nn.Module):
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, -1, self.attn.dim_out)  # (B, N', C')
         a, _ = self.attn(self.norm1(x), grid)  # (B, N', C')
-        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
-        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
-        return x.view(B, *q_grid, -1)  # (B, T', H', W', C')
+        return self._residuals(shortcut, a, chunk).view(B, *q_grid, -1)  # (B, T', H', W', C')
 
 
 def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
@@ -258,17 +245,8 @@ class RevMViTVideo(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleModelMixin,
         self.cfg = cfg
         self.in_chans = cfg.in_chans
         self.clip_size: Triple = (cfg.num_frames, cfg.img_size, cfg.img_size)
-        self.patch_embed = PatchEmbed(
-            cfg.in_chans,
-            cfg.embed_dim,
-            cfg.patch_kernel,
-            cfg.patch_stride,
-            cfg.patch_padding,
-            flatten=False,
-        )
-        self.grid_size = grid = self.patch_embed.output_size(self.clip_size)  # (T', H', W')
-        if min(grid) < 1:
-            raise ValueError(f"clip {self.clip_size} is smaller than the patch embedding")
+        grid = self._init_patch_embed(cfg, self.clip_size, f"clip {self.clip_size}")
+        self.grid_size = grid  # (T', H', W')
         self.pos_embed_spatial = nn.Parameter(torch.zeros(1, grid[1] * grid[2], cfg.embed_dim))
         self.pos_embed_temporal = nn.Parameter(torch.zeros(1, grid[0], cfg.embed_dim))
         # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
@@ -291,7 +269,7 @@ class RevMViTVideo(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleModelMixin,
         )
         self._init_weights()
 
-    def _make_transition(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
+    def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
         # Averages the previous stack's two streams (width_in each), then widens to width.
         return RevMViTVideoTransition(
             p.width_in,
@@ -299,13 +277,13 @@ class RevMViTVideo(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleModelMixin,
             p.num_heads,
             self.cfg.q_stride,
             p.kv_stride,  # type: ignore[arg-type]
-            drop_path=drop_path,
+            drop_path=path_rate,
             **common,
         )
 
-    def _make_block(self, p: RevMViTStagePlan, drop_path: float, **common: Any) -> nn.Module:
+    def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
         return RevMViTv1Block(
-            p.width, p.num_heads, p.kv_stride, drop_path=drop_path, separate_qkv=False, **common
+            p.width, p.num_heads, p.kv_stride, drop_path=path_rate, separate_qkv=False, **common
         )
 
     def _init_weights(self) -> None:
