@@ -409,8 +409,13 @@ class MViTStage(nn.Module):
 
 
 class MViTStagesMixin:
-    """The forward pass and classifier reset every MViT shares: ``_stem``, then each stage's
-    :meth:`MViTStage.forward_ends`, then ``_end``; a ``forward_head`` on the result."""
+    """What every MViT shares: the patch embedding, ``forward_features`` (``_stem``, each
+    stage's :meth:`MViTStage.forward_ends`, ``_end``) and the classifier reset.
+
+    Each model writes its own ``forward``: torch.fx wraps the input checks named in
+    ``pareprop.models._fx`` in the module of the traced ``forward`` only, and that module must
+    be the one whose ``_stem`` calls them.
+    """
 
     stages: nn.ModuleList
     norm: nn.LayerNorm
@@ -445,9 +450,6 @@ class MViTStagesMixin:
         for stage in self.stages:
             x = stage.forward_ends(x)
         return self._end(x)  # type: ignore[attr-defined]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))  # type: ignore[attr-defined]
 
 
 class RevMViT(MViTStagesMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
@@ -571,6 +573,9 @@ class RevMViT(MViTStagesMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn
         x = self.norm(x.mean(dim=(1, 2)))  # (B, C)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
 
 
 # fmt: off

@@ -251,6 +251,9 @@ class RevMViTv1(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleImageModelMixi
         x = maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H, W, C)
         return x + self.pos_embed.view(1, *self.grid_size, -1)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
     def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
         return checkpoint_filter_fn(state, self)

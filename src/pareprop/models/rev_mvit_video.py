@@ -312,6 +312,9 @@ class RevMViTVideo(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleModelMixin,
         )  # (1, T, H, W, C)
         return x + pos
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
     def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
         return checkpoint_filter_fn(state, self)
