@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from pareprop.engine import ENGINES, ReversibleStack
-from pareprop.models._base import drop_path_rates, make_head, stage_group_matcher
+from pareprop.models._base import drop_path_rates, stage_group_matcher
 from pareprop.models._features import StageEnd
 from pareprop.models.mvit import MViTStage, MViTStagesMixin, checkpoint_stage_end
 from pareprop.models.published import PretrainedError, detect_layout
@@ -212,11 +212,7 @@ class RevMViTFamilyMixin(MViTStagesMixin):
         self.stages = nn.ModuleList(stages)
         self._block_paths = block_paths(plans)
 
-        self.num_classes = cfg.num_classes
-        self.num_features = 2 * plans[-1].width
-        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)  # on every token, before the mean
-        self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = make_head(self.num_features, cfg.num_classes)
+        self._init_head(cfg, 2 * plans[-1].width)  # its norm on every token, before the mean
 
     def block_paths(self) -> List[str]:
         """Module path of block ``i`` (PySlowFast's ``rev_backbone.layers.{i}``), in order."""

@@ -437,6 +437,15 @@ class MViTStagesMixin:
             raise ValueError(f"{what} is smaller than the patch embedding")
         return grid
 
+    def _init_head(self, cfg: Any, num_features: int) -> None:
+        """The final LayerNorm (where it acts is the model's ``forward_head``), the dropout
+        before the classifier and the classifier."""
+        self.num_classes = cfg.num_classes
+        self.num_features = num_features
+        self.norm = nn.LayerNorm(num_features, eps=1e-6)
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = make_head(num_features, cfg.num_classes)
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
         if global_pool not in (None, "avg"):
@@ -518,11 +527,7 @@ class RevMViT(MViTStagesMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn
             )
         self.stages = nn.ModuleList(stages)
 
-        self.num_classes = cfg.num_classes
-        self.num_features = width
-        self.norm = nn.LayerNorm(width, eps=1e-6)
-        self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = make_head(self.num_features, cfg.num_classes)
+        self._init_head(cfg, width)
         self._set_image_pretrained_cfg(
             crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=False
         )
