@@ -4,8 +4,8 @@ the renaming of PySlowFast's ``rev_backbone.layers.{i}`` weights.
 
 Mangalam et al., "Reversible Vision Transformers", CVPR 2022. The 2-D model
 (:mod:`pareprop.models.rev_mvit`) and the 3-D one (:mod:`pareprop.models.rev_mvit_video`) differ
-only in their stem, their transition block and the pooling strides' rank; each supplies those
-and inherits the rest from :class:`RevMViTFamilyMixin`.
+only in their stem, their transition block, their blocks' qkv maps and the pooling strides'
+rank; each supplies those and inherits the rest from :class:`RevMViTFamilyMixin`.
 """
 
 from __future__ import annotations
@@ -174,12 +174,12 @@ class RevMViTFamilyMixin(MViTStagesMixin):
     grad_checkpointing: bool
 
     def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        """Stage ``p``'s transition, with drop-path rate ``path_rate`` (``common``: the
+        config's ``mlp_ratio``, ``qkv_bias`` and ``pool_kernel``)."""
         raise NotImplementedError
 
     def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
-        raise NotImplementedError
-
-    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        """One of stage ``p``'s reversible blocks (arguments as :meth:`_make_transition`)."""
         raise NotImplementedError
 
     def _build_stages(
