@@ -199,3 +199,23 @@ def test_bad_config():
         pareprop.create_model("rev_swin_tiny", depths=(2, 2), num_heads=(3, 6, 12))
     with pytest.raises(ValueError, match="engine"):
         pareprop.create_model("rev_swin_tiny_32", engine="fast")
+
+
+def test_patch_embedding_is_the_shared_layer_with_its_norm():
+    # Swin's stem is layers.PatchEmbed with a LayerNorm: a patch convolution, channels-last,
+    # normalised per token, under the state-dict names Swin checkpoints use.
+    from pareprop.layers import PatchEmbed
+
+    torch.manual_seed(0)
+    embed = PatchEmbed(3, 8, 4, 4, flatten=False, norm_layer=torch.nn.LayerNorm).double()
+    x = torch.randn(2, 3, 16, 12, dtype=torch.float64)
+    want = embed.norm(embed.proj(x).permute(0, 2, 3, 1))  # (B, H/4, W/4, C)
+    torch.testing.assert_close(embed(x), want, rtol=0, atol=0)
+    model = pareprop.create_model("rev_swin_tiny_32", num_classes=3)
+    assert isinstance(model.patch_embed, PatchEmbed)
+    assert [k for k in model.state_dict() if k.startswith("patch_embed.")] == [
+        "patch_embed.proj.weight",
+        "patch_embed.proj.bias",
+        "patch_embed.norm.weight",
+        "patch_embed.norm.bias",
+    ]

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from pareprop.convert import converted_model_name, converted_model_names
 from pareprop.engine import ENGINES, set_block_checkpointing, stacks_of
+from pareprop.engine.stack import REVERSIBLE_ENGINES
 from pareprop.models import create_model, is_model, unknown_model_message
 from pareprop.models.torchvision_swin import TORCHVISION_SWIN_MODELS, create_torchvision_swin
 from pareprop.models.torchvision_video import TORCHVISION_VIDEO_MODELS, create_torchvision_video
@@ -63,7 +64,6 @@ __all__ = [
 
 BASELINE_ENGINES = ("plain", "checkpointed")  # the modes of models without a reversible stack
 ALL_ENGINES = tuple(ENGINES) + BASELINE_ENGINES
-REVERSIBLE_ENGINES = ("reversible", "pareprop")  # the engines a memory budget applies to
 # The modes of a model with a reversible stack: the engines, and its blocks checkpointed.
 REVERSIBLE_MODEL_ENGINES = tuple(ENGINES) + ("checkpointed",)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pareprop.catalog import ALL_ENGINES, BASELINE_ENGINES, REVERSIBLE_ENGINES, engine_label
+from pareprop.memory.step import AMP_MODES
 
 __all__ = [
     "BASELINE_ENGINES",
@@ -13,8 +14,8 @@ __all__ = [
     "engine_label",
 ]
 
-# The engine modes are the catalog's (pareprop.catalog); offered here beside what a record holds.
-AMP_MODES = ("none", "bf16", "fp16")
+# The engine modes are the catalog's (pareprop.catalog) and the autocast names the step's
+# (pareprop.memory.step); offered here beside what a record holds.
 
 # One record per (model, engine, memory_budget, batch_size, depth, seq_len, device).
 # Order is the CSV column order.

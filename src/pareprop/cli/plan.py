@@ -29,7 +29,7 @@ import sys
 from typing import Optional, Sequence
 
 from pareprop.bench.plots import plot_plan
-from pareprop.catalog import ALL_ENGINES, is_converted
+from pareprop.catalog import ALL_ENGINES, REVERSIBLE_ENGINES, is_converted
 from pareprop.cli.bench import _split
 from pareprop.cli.options import (
     CouplingPair,
@@ -40,6 +40,7 @@ from pareprop.cli.options import (
     refuse_detectors,
 )
 from pareprop.memory import parse_memory
+from pareprop.memory.step import AMP_MODES
 from pareprop.memory.sweep import format_plan, plan_sweep
 
 __all__ = ["main", "build_parser"]
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(ALL_ENGINES)} (default: all; each model plans those "
                    "that apply)")
     p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[], metavar="N")
-    p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    p.add_argument("--amp", choices=AMP_MODES, default="none")
     p.add_argument("--img-size", type=positive_int, metavar="PX")
     p.add_argument("--num-frames", type=positive_int, metavar="T",
                    help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
@@ -106,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.batch_sizes and memory is None:
             raise ValueError("expected --batch-sizes, --memory or both")
         budgets = [b for b in args.memory_budgets if b is not None]
-        if budgets and not set(_split(args.engines)) & {"reversible", "pareprop"}:
+        if budgets and not set(_split(args.engines)) & set(REVERSIBLE_ENGINES):
             raise ValueError(
                 f"--memory-budgets {' '.join(map(str, budgets))} choose blocks for the "
                 f"reversible engines to store, and --engines {' '.join(_split(args.engines))} "

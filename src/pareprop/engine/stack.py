@@ -23,6 +23,7 @@ from pareprop.engine.replay import _autocast_state, _AutocastState, _BackendStat
 from pareprop.engine.sharding import BlockSharding
 
 ENGINES = ("autograd", "reversible", "pareprop")
+REVERSIBLE_ENGINES = ENGINES[1:]  # the engines that rebuild inputs (and take a memory budget)
 
 Tensor = torch.Tensor
 

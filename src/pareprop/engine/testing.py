@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from pareprop.engine.stack import set_stack_engine, stacks_of
+from pareprop.engine.stack import REVERSIBLE_ENGINES, set_stack_engine, stacks_of
 
 __all__ = ["engine_errors", "relative_error", "worst_error", "one_step"]
 
@@ -80,7 +80,7 @@ def one_step(model, inputs, engine, seed, loss_fn, kwargs):
 def engine_errors(
     model: nn.Module,
     inputs: Union[Tensor, Sequence[Any]],
-    engines: Iterable[str] = ("reversible", "pareprop"),
+    engines: Iterable[str] = REVERSIBLE_ENGINES,
     seed: int = 0,
     loss_fn: Optional[Callable[[List[Tensor]], Tensor]] = None,
     noise_floor: float = 0.0,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -76,7 +76,8 @@ class PatchEmbed(nn.Module):
     ViT uses non-overlapping patches (kernel = stride = patch); MViTv2 an overlapping
     convolution (kernel 7, stride 4, padding 3). A kernel of three sides makes it a video
     embedding (Conv3d over ``(B, C, T, H, W)``; the video Rev-MViT-B: kernel 3x7x7, stride
-    2x4x4, padding 1x3x3), with ``stride`` and ``padding`` then given per side too.
+    2x4x4, padding 1x3x3), with ``stride`` and ``padding`` then given per side too. Swin
+    normalises the patch tokens (``norm_layer=nn.LayerNorm``).
 
     Args:
         in_chans: image channels.
@@ -85,6 +86,7 @@ class PatchEmbed(nn.Module):
         stride: convolution stride (the patch size for ViT).
         padding: convolution padding.
         flatten: return ``(B, H*W, C)`` tokens; otherwise channels-last ``(B, H, W, C)``.
+        norm_layer: a norm over the token width applied last (``None``: none).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class PatchEmbed(nn.Module):
         stride: Union[int, Sequence[int]] = 16,
         padding: Union[int, Sequence[int]] = 0,
         flatten: bool = True,
+        norm_layer: Optional[Callable[[int], nn.Module]] = None,
     ):
         super().__init__()
         if not isinstance(kernel_size, int) and len(tuple(kernel_size)) == 3:
@@ -111,6 +114,7 @@ class PatchEmbed(nn.Module):
             conv = nn.Conv2d
         self.flatten = flatten
         self.proj = conv(in_chans, embed_dim, self.kernel_size, self.stride, self.padding)
+        self.norm = norm_layer(embed_dim) if norm_layer is not None else None
 
     def output_size(self, img_size: Tuple[int, ...]) -> Tuple[int, ...]:
         """Token grid ``(H', W')`` (video: ``(T', H', W')``) for an ``img_size`` input."""
@@ -123,6 +127,8 @@ class PatchEmbed(nn.Module):
         x = self.proj(x).movedim(1, -1)  # (B, H', W', C) or (B, T', H', W', C)
         if self.flatten:
             x = x.flatten(1, -2)  # (B, N, C)
+        if self.norm is not None:
+            return self.norm(x)  # a fresh tensor already (NOTE [ Patch tokens are not a view ])
         # NOTE [ Patch tokens are not a view ]
         # The channels-last tokens are a view of the convolution's output. Under FSDP2 the
         # embedding is its own unit, and a unit that returns a view is warned about: FSDP2's

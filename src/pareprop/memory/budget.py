@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pareprop import engine as engine_lib
 from pareprop.engine import ReversibleStack, stacks_of
+from pareprop.engine.stack import REVERSIBLE_ENGINES
 from pareprop.memory.saved import activation_bytes, is_parameter, storage_key
 from pareprop.memory.units import parse_memory
 
@@ -271,7 +272,7 @@ def _predict(
 
 
 def _default_engine(current: str, device: torch.device) -> str:
-    if current in ("reversible", "pareprop"):
+    if current in REVERSIBLE_ENGINES:
         return current
     return "pareprop" if device.type == "cuda" else "reversible"
 
@@ -379,7 +380,7 @@ def set_memory_budget(
 def _check_options(engine: Optional[str], cost: str, repeats: int) -> None:
     if cost not in ("time", "flops"):
         raise ValueError(f"cost must be 'time' or 'flops', got {cost!r}")
-    if engine is not None and engine not in ("reversible", "pareprop"):
+    if engine is not None and engine not in REVERSIBLE_ENGINES:
         raise ValueError(f"engine must be 'reversible' or 'pareprop' (or None), got {engine!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")

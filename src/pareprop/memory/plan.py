@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from pareprop.catalog import (
     ALL_ENGINES,
+    REVERSIBLE_ENGINES,
     ModelFacts,
     ModelRequest,
     build_model,
@@ -188,7 +189,7 @@ def plan_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _check(name, batch_size, engine, device)
-    if chunk_bytes is not None and engine not in ("reversible", "pareprop"):
+    if chunk_bytes is not None and engine not in REVERSIBLE_ENGINES:
         raise ValueError(
             f"chunk_bytes chunks the branches of a reversible engine's backward; engine "
             f"{engine!r} has none (use reversible or pareprop, or chunk_bytes=None)"
@@ -198,7 +199,7 @@ def plan_memory(
             name, batch_size, engine, amp=amp, optimizer=optimizer, device=device,
             memory_budget=memory_budget, grad_checkpointing=grad_checkpointing, **overrides)
     size = None if chunk_bytes is None else parse_memory(chunk_bytes)
-    if memory_budget is not None and engine not in ("reversible", "pareprop"):
+    if memory_budget is not None and engine not in REVERSIBLE_ENGINES:
         raise ValueError(
             f"a memory budget chooses stored blocks of a reversible engine; engine {engine!r} "
             "has none to choose (use reversible or pareprop, or no budget)"

@@ -17,10 +17,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pareprop import catalog
 from pareprop.engine import ReversibleStack, stacks_of
 
-__all__ = ["OPTIMIZERS", "AMP_NAMES"]
+__all__ = ["OPTIMIZERS", "AMP_NAMES", "AMP_MODES"]
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 AMP_NAMES = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_MODES = tuple(name for name in AMP_NAMES if name is not None)  # what a command line offers
 
 
 def amp_dtype(amp: Any) -> Optional[torch.dtype]:

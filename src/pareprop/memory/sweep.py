@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pareprop.catalog import (
     CONVERTED_COUPLING,
+    REVERSIBLE_ENGINES,
     converted_source,
     engine_budgets,
     engine_label,
@@ -80,7 +81,7 @@ def plan_sweep(
         planned = own.get("coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, memory_budgets):
             gc = grad_checkpointing and model_facts(name).reversible
-            chunked = chunk_bytes if engine in ("reversible", "pareprop") else None
+            chunked = chunk_bytes if engine in REVERSIBLE_ENGINES else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       chunk_bytes=chunked, **own)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}

@@ -51,8 +51,13 @@ class StageEnd(NamedTuple):
     grid: Tuple[int, ...]  # (H, W) or (T, H, W)
 
 
-def join_streams(y1: torch.Tensor, y2: torch.Tensor, grid: Tuple[int, ...]) -> torch.Tensor:
-    """Two streams ``(B, N, C)`` side by side as the map ``(B, *grid, 2C)``."""
+def join_streams(
+    y1: torch.Tensor, y2: torch.Tensor, grid: Optional[Tuple[int, ...]] = None
+) -> torch.Tensor:
+    """Two streams ``(B, N, C)`` side by side as the map ``(B, *grid, 2C)``; without
+    ``grid``, two streams of any shape side by side on their last axis."""
+    if grid is None:
+        return torch.cat([y1, y2], dim=-1)  # (..., 2C)
     # B and C from the streams, not -1: B may be 0.
     return torch.cat([y1, y2], dim=-1).view(y1.shape[0], *grid, 2 * y1.shape[-1])
 

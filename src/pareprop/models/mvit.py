@@ -58,8 +58,10 @@ __all__ = [
     "MViTConfig",
     "RevMViT",
     "RevMViTBlock",
+    "MViTTransition",
     "MViTTransitionBlock",
     "MViTStage",
+    "MViTStagesMixin",
     "checkpoint_stage_end",
     "MVIT_CONFIGS",
 ]
@@ -243,7 +245,42 @@ class RevMViTBlock(ReversibleBlock):
         return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
-class MViTTransitionBlock(nn.Module):
+class MViTTransition(nn.Module):
+    """What every MViT stage transition shares (the MViTv2 one here, the published Rev-MViTs'
+    in :mod:`pareprop.models.rev_mvit` and :mod:`pareprop.models.rev_mvit_video`): a residual
+    attention branch onto a pooled shortcut, then a residual MLP branch, both with stochastic
+    depth. A subclass builds ``norm1``, ``attn`` and its shortcut, calls
+    :meth:`_init_mlp_branch` last and writes :meth:`forward_chunk` with :meth:`_residuals`.
+    """
+
+    def _init_mlp_branch(self, dim: int, mlp_ratio: float, drop_path: float) -> None:
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_chunk(x, None)
+
+    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
+    # pareprop/engine/recompute.py): every part of a transition stays inside a sample (each
+    # subclass says which parts it has).
+    def split(self, x: torch.Tensor) -> Split:
+        return Split.samples(x.shape[0])
+
+    def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
+        """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
+        raise NotImplementedError
+
+    def _residuals(
+        self, shortcut: torch.Tensor, a: torch.Tensor, chunk: Chunk | None
+    ) -> torch.Tensor:
+        """``shortcut + attention output a``, then the MLP branch; drop paths per sample."""
+        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
+        return x + drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk, dim=0), chunk, dim=0)
+
+
+class MViTTransitionBlock(MViTTransition):
     """The non-reversible block that opens a stage: pre-norm residual block whose attention
     pools queries by 2 and whose shortcut is max-pooled to match, ``(B, H, W, C) ->
     (B, ceil(H/2), ceil(W/2), C)``.
@@ -294,28 +331,16 @@ class MViTTransitionBlock(nn.Module):
             residual_pooling=residual_pooling,
         )
         self.pool_skip = nn.MaxPool2d(3, stride=2, padding=1)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self._init_mlp_branch(dim, mlp_ratio, drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)
-
-    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/engine/recompute.py): LayerNorm, pooling attention, the pooled shortcut and the
-    # MLP all stay inside a sample.
-    def split(self, x: torch.Tensor) -> Split:
-        return Split.samples(x.shape[0])
-
+    # In a sample: LayerNorm, pooling attention, the pooled shortcut and the MLP.
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
         if self.fuse is not None:
             x = x + self.fuse(x, chunk, dim=0)
         a = self.attn(self.norm1(x))  # (B, H', W', C)
         shortcut = self.pool_skip(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H', W', C)
-        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
-        return x + drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk, dim=0), chunk, dim=0)
+        return self._residuals(shortcut, a, chunk)
 
 
 def checkpoint_stage_end(
@@ -383,7 +408,60 @@ class MViTStage(nn.Module):
         return end if self.stack.keeps_outputs() else stage_map(end)
 
 
-class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
+class MViTStagesMixin:
+    """What every MViT shares: the patch embedding, ``forward_features`` (``_stem``, each
+    stage's :meth:`MViTStage.forward_ends`, ``_end``) and the classifier reset.
+
+    Each model writes its own ``forward``: torch.fx wraps the input checks named in
+    ``pareprop.models._fx`` in the module of the traced ``forward`` only, and that module must
+    be the one whose ``_stem`` calls them.
+    """
+
+    stages: nn.ModuleList
+    norm: nn.LayerNorm
+    head: nn.Module
+
+    def _init_patch_embed(self, cfg: Any, size: Tuple[int, ...], what: str) -> Tuple[int, ...]:
+        """Set ``patch_embed`` from ``cfg``'s patch fields (channels-last out); return its
+        token grid for a ``size`` input (``what`` names that input in the error)."""
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans,
+            cfg.embed_dim,
+            cfg.patch_kernel,
+            cfg.patch_stride,
+            cfg.patch_padding,
+            flatten=False,
+        )
+        grid = self.patch_embed.output_size(size)
+        if min(grid) < 1:
+            raise ValueError(f"{what} is smaller than the patch embedding")
+        return grid
+
+    def _init_head(self, cfg: Any, num_features: int) -> None:
+        """The final LayerNorm (where it acts is the model's ``forward_head``), the dropout
+        before the classifier and the classifier."""
+        self.num_classes = cfg.num_classes
+        self.num_features = num_features
+        self.norm = nn.LayerNorm(num_features, eps=1e-6)
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = make_head(num_features, cfg.num_classes)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
+        self._replace_head(num_classes)  # type: ignore[attr-defined]
+        self.head.to(self.norm.weight.device, self.norm.weight.dtype)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs to the last stage's map ``(B, [T',] H', W', num_features)`` (see ``_end``)."""
+        x = self._stem(x)  # type: ignore[attr-defined]
+        for stage in self.stages:
+            x = stage.forward_ends(x)
+        return self._end(x)  # type: ignore[attr-defined]
+
+
+class RevMViT(MViTStagesMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     """Reversible multiscale vision transformer (MViTv2 pooling attention).
 
     Args:
@@ -395,17 +473,7 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
         cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
         _check_config(cfg)
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(
-            cfg.in_chans,
-            cfg.embed_dim,
-            cfg.patch_kernel,
-            cfg.patch_stride,
-            cfg.patch_padding,
-            flatten=False,
-        )
-        grid = self.patch_embed.output_size(cfg.img_size)
-        if min(grid) < 1:
-            raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
+        grid = self._init_patch_embed(cfg, cfg.img_size, f"img_size {cfg.img_size}")
         plans = _plan(cfg, grid)
         self.num_stages = len(plans)
         # Smallest input whose map still halves at every transition.
@@ -459,11 +527,7 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
             )
         self.stages = nn.ModuleList(stages)
 
-        self.num_classes = cfg.num_classes
-        self.num_features = width
-        self.norm = nn.LayerNorm(width, eps=1e-6)
-        self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = make_head(self.num_features, cfg.num_classes)
+        self._init_head(cfg, width)
         self._set_image_pretrained_cfg(
             crop_pct=0.9 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=False
         )
@@ -499,13 +563,6 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
         (timm puts the final norm in the last block's group)."""
         return stage_group_matcher(coarse, r"^patch_embed")
 
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self._replace_head(num_classes)
-        self.head.to(self.norm.weight.device, self.norm.weight.dtype)
-
     # -- forward --------------------------------------------------------------------------
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
@@ -516,13 +573,6 @@ class RevMViT(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
 
     def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
         return stage_map(x)  # the norm acts on the pooled features, in forward_head
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` to the last stage's map ``(B, H', W', num_features)``."""
-        x = self._stem(x)
-        for stage in self.stages:
-            x = stage.forward_ends(x)
-        return self._end(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.norm(x.mean(dim=(1, 2)))  # (B, C)

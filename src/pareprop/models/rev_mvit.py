@@ -32,7 +32,7 @@ everywhere else in pareprop. Evaluation (no drop path) is identical; only fine-t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple, Union
+from typing import Any, Dict, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -40,22 +40,24 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
 
 from pareprop.chunking import Chunk, Split
-from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
+from pareprop.engine import ReversibleBlock
 from pareprop.engine.recompute import maybe_checkpoint
-from pareprop.layers import Mlp, PatchEmbed, check_image, make_config, to_2tuple_int
+from pareprop.layers import Mlp, check_image, make_config, to_2tuple_int
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
-from pareprop.models._base import (
-    ReversibleImageModelMixin,
-    drop_path_rates,
-    init_linears_,
-    make_head,
-    stage_group_matcher,
-)
-from pareprop.models._features import StageEnd, StageFeaturesMixin
+from pareprop.models._base import ReversibleImageModelMixin, init_linears_
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
-from pareprop.models.mvit import MViTStage, checkpoint_stage_end
-from pareprop.models.published import PretrainedError, detect_layout
+from pareprop.models._rev_mvit_base import (
+    RevMViTFamilyMixin,
+    RevMViTStagePlan,
+    check_family_config,
+    is_pyslowfast,
+    plan_stages,
+    rename_pyslowfast,
+)
+from pareprop.models.mvit import MViTTransition
+from pareprop.models.published import PretrainedError
 
 __all__ = [
     "RevMViTv1Config",
@@ -91,55 +93,6 @@ class RevMViTv1Config:
     engine: str = "reversible"
     mean: Tuple[float, ...] = IMAGENET_DEFAULT_MEAN
     std: Tuple[float, ...] = IMAGENET_DEFAULT_STD
-
-
-def _check_config(cfg: RevMViTv1Config) -> None:
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
-    if cfg.num_classes < 0:
-        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
-    t = cfg.transition_blocks
-    starts = [0, *t]
-    ends = [*t, cfg.depth]
-    ok = list(t) == sorted(set(t)) and all(1 <= i < cfg.depth for i in t)
-    # Every stage needs at least one reversible block: the first stage before the first
-    # transition, every later one after its transition.
-    if not ok or any(e - s < (1 if s == 0 else 2) for s, e in zip(starts, ends)):
-        raise ValueError(
-            f"expected transition_blocks increasing in 1..depth-1 with at least one "
-            f"reversible block after each (depth={cfg.depth}), got {t}"
-        )
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """Derived layout of one stage: its transition block (if any) and reversible blocks."""
-
-    transition: int | None
-    reversible: List[int]
-    width: int  # of the stage's blocks (2C of the previous stage's streams)
-    num_heads: int
-    kv_stride: int
-
-
-def _plan(cfg: RevMViTv1Config) -> List[_Stage]:
-    starts = [0, *cfg.transition_blocks]
-    ends = [*cfg.transition_blocks, cfg.depth]
-    plans, width = [], cfg.embed_dim
-    for s, (a, b) in enumerate(zip(starts, ends)):
-        transition = a if s > 0 else None
-        if transition is not None:
-            width *= 2  # the previous stack's two streams side by side
-        plans.append(
-            _Stage(
-                transition=transition,
-                reversible=list(range(a + (s > 0), b)),
-                width=width,
-                num_heads=cfg.num_heads * 2**s,
-                kv_stride=max(cfg.kv_stride // 2**s, 1),
-            )
-        )
-    return plans
 
 
 class RevMViTv1Block(ReversibleBlock):
@@ -202,7 +155,7 @@ class RevMViTv1Block(ReversibleBlock):
         return drop_path(self.drop_path2, self.mlp(self.norm2(x), chunk), chunk)
 
 
-class RevMViTv1Transition(nn.Module):
+class RevMViTv1Transition(MViTTransition):
     """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B ]):
     ``(B, H, W, C) -> (B, ceil(H/2), ceil(W/2), C)``.
 
@@ -232,20 +185,9 @@ class RevMViTv1Transition(nn.Module):
             self.fuse = Mlp(dim, int(dim * fusion_mlp_ratio), act_layer=nn.GELU)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = MultiScaleAttention(dim, num_heads, qkv_bias, pool_kernel, 2, kv_stride)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self._init_mlp_branch(dim, mlp_ratio, drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)
-
-    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/engine/recompute.py): the fusion MLP, the pooled shortcut, pooling attention
-    # and the MLP all stay inside a sample.
-    def split(self, x: torch.Tensor) -> Split:
-        return Split.samples(x.shape[0])
-
+    # In a sample: the fusion MLP, the pooled shortcut, pooling attention and the MLP.
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         """The block on ``chunk``'s samples of the batch (``None``: the whole batch)."""
         B, H, W, C = x.shape
@@ -258,12 +200,10 @@ class RevMViTv1Transition(nn.Module):
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, Hq * Wq, C)  # (B, N', C)
         a, _ = self.attn(self.norm1(x), (H, W))  # (B, N', C)
-        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
-        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
-        return x.view(B, Hq, Wq, C)  # (B, H', W', C)
+        return self._residuals(shortcut, a, chunk).view(B, Hq, Wq, C)  # (B, H', W', C)
 
 
-class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
+class RevMViTv1(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     """The published reversible MViT (Rev-MViT-B).
 
     Args:
@@ -273,116 +213,43 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
     def __init__(self, cfg: RevMViTv1Config):
         super().__init__()
         cfg = make_config(cfg, img_size=to_2tuple_int(cfg.img_size, "img_size"))
-        _check_config(cfg)
+        check_family_config(cfg)
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(
-            cfg.in_chans,
-            cfg.embed_dim,
-            cfg.patch_kernel,
-            cfg.patch_stride,
-            cfg.patch_padding,
-            flatten=False,
-        )
-        self.grid_size = grid = self.patch_embed.output_size(cfg.img_size)
-        if min(grid) < 1:
-            raise ValueError(f"img_size {cfg.img_size} is smaller than the patch embedding")
+        grid = self._init_patch_embed(cfg, cfg.img_size, f"img_size {cfg.img_size}")
+        self.grid_size = grid
         self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], cfg.embed_dim))
-
-        plans = _plan(cfg)
-        self.num_stages = len(plans)
-        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
-        common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
-        stages, self.feature_info = [], []
-        for s, p in enumerate(plans):
-            if p.width % p.num_heads:
-                raise ValueError(
-                    f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
-                    "(heads double every stage); lower num_heads or raise embed_dim"
-                )
-            transition = None
-            if p.transition is not None:
-                transition = RevMViTv1Transition(
-                    p.width,
-                    p.num_heads,
-                    p.kv_stride,
-                    drop_path=dpr[p.transition],
-                    fusion_mlp_ratio=cfg.fusion_mlp_ratio,
-                    **common,
-                )
-            blocks = [
-                RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=dpr[i], **common)
-                for i in p.reversible
-            ]
-            stack = ReversibleStack(blocks, engine=cfg.engine)
-            stages.append(MViTStage(transition, stack))
-            self.feature_info.append(
-                {
-                    "num_chs": 2 * p.width,
-                    "reduction": cfg.patch_stride * 2**s,
-                    "module": f"stages.{s}",
-                }
-            )
-        self.stages = nn.ModuleList(stages)
-        self._block_paths = _block_paths(plans)
-
-        self.num_classes = cfg.num_classes
-        self.num_features = 2 * plans[-1].width
-        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)  # on every token, before the mean
-        self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = make_head(self.num_features, cfg.num_classes)
+        self._build_stages(plan_stages(cfg, q_stride=2), lambda s: cfg.patch_stride * 2**s)
         self._set_image_pretrained_cfg(
             crop_pct=0.875 if cfg.img_size[0] >= 224 else 1.0, fixed_input_size=True
         )
         self._init_weights()
 
+    def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        # Width 2C in and out: the previous stack's streams side by side.
+        return RevMViTv1Transition(
+            p.width,
+            p.num_heads,
+            p.kv_stride,  # type: ignore[arg-type]
+            drop_path=path_rate,
+            fusion_mlp_ratio=self.cfg.fusion_mlp_ratio,
+            **common,
+        )
+
+    def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        return RevMViTv1Block(p.width, p.num_heads, p.kv_stride, drop_path=path_rate, **common)
+
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
         init_linears_(self.stages)
-
-    def block_paths(self) -> List[str]:
-        """Module path of block ``i`` (PySlowFast's ``rev_backbone.layers.{i}``), in order."""
-        return list(self._block_paths)
-
-    # -- timm model interface -------------------------------------------------------------
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {"pos_embed"}
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """timm's parameter groups (for layer-wise learning-rate decay): the stem, then each
-        block in depth order (a transition before its stage's stack), then the head."""
-        return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self._replace_head(num_classes)
-        self.head.to(self.pos_embed.device, self.pos_embed.dtype)
-
-    # -- forward --------------------------------------------------------------------------
-
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image(x, self.cfg.in_chans, img_size=self.cfg.img_size)
         x = maybe_checkpoint(self.patch_embed, x, self.grad_checkpointing)  # (B, H, W, C)
         return x + self.pos_embed.view(1, *self.grid_size, -1)
-
-    def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
-        # Per token, as published (before the mean).
-        return checkpoint_stage_end(self.norm, x, self.grad_checkpointing)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` to the normalised last map ``(B, H', W', num_features)``."""
-        x = self._stem(x)
-        for stage in self.stages:
-            x = stage.forward_ends(x)
-        return self._end(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(x.mean(dim=(1, 2)))  # (B, C)
-        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
@@ -392,14 +259,13 @@ class RevMViTv1(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
         return checkpoint_filter_fn(state, self)
 
 
-def _block_paths(plans: List[_Stage]) -> List[str]:
-    paths: Dict[int, str] = {}
-    for s, p in enumerate(plans):
-        if p.transition is not None:
-            paths[p.transition] = f"stages.{s}.transition"
-        for j, i in enumerate(p.reversible):
-            paths[i] = f"stages.{s}.stack.blocks.{j}"
-    return [paths[i] for i in sorted(paths)]
+_RENAMES = {
+    "F.norm.": "norm1.",
+    "F.attn.": "attn.",
+    "G.norm.": "norm2.",
+    "G.mlp.": "mlp.",
+    "pre_q_fuse.fuse_fn.": "fuse.",
+}
 
 
 def checkpoint_filter_fn(
@@ -413,48 +279,14 @@ def checkpoint_filter_fn(
     stored as Conv3d over one frame, ``(hd, 1, 1, k, k)``, and lose that axis. Keys of no known
     layout are passed through, so that the strict check names them.
     """
-    layout = detect_layout(state_dict)
-    if layout == "pareprop":
+    if not is_pyslowfast(state_dict, "Rev-MViT-B"):
         return state_dict
-    if layout != "pyslowfast":
-        raise PretrainedError(
-            f"Rev-MViT-B weights are published by PySlowFast only; got a {layout} file"
-        )
     if "pos_embed_temporal" in state_dict:
         raise PretrainedError(
             "the file has temporal position embeddings ('pos_embed_temporal'): it is the video "
             "Rev-MViT-B 16x4 (create 'rev_mvit_base_16x4'), not the image model"
         )
-    paths = model.block_paths()
-    renames = {
-        "F.norm.": "norm1.",
-        "F.attn.": "attn.",
-        "G.norm.": "norm2.",
-        "G.mlp.": "mlp.",
-        "pre_q_fuse.fuse_fn.": "fuse.",
-    }
-    prefix = "rev_backbone.layers."
-    out: Dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        new = key
-        if key.startswith(prefix):
-            i, rest = key[len(prefix) :].split(".", 1)
-            if not i.isdigit() or int(i) >= len(paths):
-                raise PretrainedError(
-                    f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
-                    "create it with the file's depth"
-                )
-            for old, ours in renames.items():
-                if rest.startswith(old):
-                    rest = ours + rest[len(old) :]
-                    break
-            new = f"{paths[int(i)]}.{rest}"
-        elif key.startswith("head.projection."):
-            new = "head." + key[len("head.projection.") :]
-        if value.ndim == 5 and value.shape[2] == 1:
-            value = value.squeeze(2)  # Conv3d over one frame -> Conv2d
-        out[new] = value
-    return out
+    return rename_pyslowfast(state_dict, model.block_paths(), _RENAMES, one_frame_convs=True)
 
 
 # fmt: off

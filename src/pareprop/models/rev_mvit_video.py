@@ -37,30 +37,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple, Union
+from typing import Any, Dict, Set, Tuple
 
 import torch
 import torch.nn as nn
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import trunc_normal_
 
-from pareprop.chunking import Chunk, Split
-from pareprop.engine import ENGINES, ReversibleStack
+from pareprop.chunking import Chunk
 from pareprop.engine.recompute import maybe_checkpoint
-from pareprop.layers import PatchEmbed, make_config
-from pareprop.layers.drop import DropPath, drop_path
+from pareprop.layers import make_config
 from pareprop.layers.multiscale_attention import MultiScaleAttention, pool_heads
-from pareprop.models._base import (
-    ReversibleModelMixin,
-    drop_path_rates,
-    init_linears_,
-    make_head,
-    stage_group_matcher,
-)
-from pareprop.models._features import StageEnd, StageFeaturesMixin
+from pareprop.models._base import ReversibleModelMixin, init_linears_
+from pareprop.models._features import StageFeaturesMixin
 from pareprop.models._registry import register_model
-from pareprop.models.mvit import MViTStage, checkpoint_stage_end
-from pareprop.models.published import PretrainedError, detect_layout
-from pareprop.models.rev_mvit import RevMViTv1Block, _block_paths  # the same stage layout
+from pareprop.models._rev_mvit_base import (
+    RevMViTFamilyMixin,
+    RevMViTStagePlan,
+    check_family_config,
+    is_pyslowfast,
+    plan_stages,
+    rename_pyslowfast,
+)
+from pareprop.models.mvit import MViTTransition
+from pareprop.models.published import PretrainedError
+from pareprop.models.rev_mvit import RevMViTv1Block  # the same reversible blocks, in 3-D
 
 __all__ = [
     "RevMViTVideoConfig",
@@ -118,10 +118,7 @@ def _triple(value: Any, name: str) -> Triple:
 
 
 def _check_config(cfg: RevMViTVideoConfig) -> None:
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"expected engine in {ENGINES}, got {cfg.engine!r}")
-    if cfg.num_classes < 0:
-        raise ValueError(f"expected num_classes >= 0, got {cfg.num_classes}")
+    check_family_config(cfg)
     # Data, not the model, but the clips of every run and evaluation are sampled by it: a
     # bad value is refused when the model is built, not when a trained run is evaluated.
     stride = cfg.frame_stride
@@ -136,48 +133,9 @@ def _check_config(cfg: RevMViTVideoConfig) -> None:
             raise ValueError(
                 f"expected {name} with one value per channel ({cfg.in_chans}), got {values!r}"
             )
-    t = cfg.transition_blocks
-    starts, ends = [0, *t], [*t, cfg.depth]
-    ok = list(t) == sorted(set(t)) and all(1 <= i < cfg.depth for i in t)
-    if not ok or any(e - s < (1 if s == 0 else 2) for s, e in zip(starts, ends)):
-        raise ValueError(
-            f"expected transition_blocks increasing in 1..depth-1 with at least one "
-            f"reversible block after each (depth={cfg.depth}), got {t}"
-        )
 
 
-@dataclass(frozen=True)
-class _Stage:
-    transition: int | None
-    reversible: List[int]
-    width_in: int  # of the transition's input streams (the previous stack's), else = width
-    width: int  # of the stage's reversible streams
-    num_heads: int
-    kv_stride: Triple
-
-
-def _plan(cfg: RevMViTVideoConfig) -> List[_Stage]:
-    starts, ends = [0, *cfg.transition_blocks], [*cfg.transition_blocks, cfg.depth]
-    plans, width, kv = [], cfg.embed_dim, cfg.kv_stride
-    for s, (a, b) in enumerate(zip(starts, ends)):
-        width_in = width
-        if s > 0:
-            width *= 2  # inside the transition (PySlowFast's DIM_MUL 2.0)
-            kv = tuple(max(k // q, 1) for k, q in zip(kv, cfg.q_stride))  # type: ignore[assignment]
-        plans.append(
-            _Stage(
-                transition=a if s > 0 else None,
-                reversible=list(range(a + (s > 0), b)),
-                width_in=width_in,
-                width=width,
-                num_heads=cfg.num_heads * 2**s,
-                kv_stride=kv,
-            )
-        )
-    return plans
-
-
-class RevMViTVideoTransition(nn.Module):
+class RevMViTVideoTransition(MViTTransition):
     """The non-reversible block that opens a stage (NOTE [ Published Rev-MViT-B 16x4 ]):
     ``(B, T, H, W, 2 * dim) -> (B, T', H', W', dim_out)``, the input being the previous stack's
     two streams side by side.
@@ -222,20 +180,9 @@ class RevMViTVideoTransition(nn.Module):
         )
         if self.attn.pool_q is None:
             raise ValueError(f"a transition pools its queries; got q_stride {q_stride}")
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim_out, eps=1e-6)
-        self.mlp = Mlp(dim_out, int(dim_out * mlp_ratio), act_layer=nn.GELU)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self._init_mlp_branch(dim_out, mlp_ratio, drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)
-
-    # Checkpointed in chunks of samples (NOTE [ Checkpointed blocks in chunks ] in
-    # pareprop/engine/recompute.py): the stream average, the pooled shortcut, pooling
-    # attention and the MLP all stay inside a clip.
-    def split(self, x: torch.Tensor) -> Split:
-        return Split.samples(x.shape[0])
-
+    # In a clip: the stream average, the pooled shortcut, pooling attention and the MLP.
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
         """The block on ``chunk``'s clips of the batch (``None``: the whole batch)."""
         B, T, H, W, C2 = x.shape
@@ -248,9 +195,7 @@ class RevMViTVideoTransition(nn.Module):
         )  # (B, heads, N', hd)
         shortcut = shortcut.transpose(1, 2).reshape(B, -1, self.attn.dim_out)  # (B, N', C')
         a, _ = self.attn(self.norm1(x), grid)  # (B, N', C')
-        x = shortcut + drop_path(self.drop_path1, a, chunk, dim=0)
-        x = x + drop_path(self.drop_path2, self.mlp(self.norm2(x)), chunk, dim=0)
-        return x.view(B, *q_grid, -1)  # (B, T', H', W', C')
+        return self._residuals(shortcut, a, chunk).view(B, *q_grid, -1)  # (B, T', H', W', C')
 
 
 def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
@@ -274,41 +219,7 @@ def check_video(x: Any, in_chans: int, clip: Triple) -> torch.Tensor:
     return x
 
 
-def _stage(cfg: RevMViTVideoConfig, s: int, p: _Stage, dpr: List[float]) -> MViTStage:
-    """Stage ``s`` as ``p`` plans it: its transition (None in the first stage) and its stack."""
-    if p.width % p.num_heads:
-        raise ValueError(
-            f"stage {s}: expected width {p.width} divisible by its {p.num_heads} heads "
-            "(heads double every stage); lower num_heads or raise embed_dim"
-        )
-    common = dict(mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, pool_kernel=cfg.pool_kernel)
-    transition = None
-    if p.transition is not None:
-        transition = RevMViTVideoTransition(
-            p.width_in,
-            p.width,
-            p.num_heads,
-            cfg.q_stride,
-            p.kv_stride,
-            drop_path=dpr[p.transition],
-            **common,
-        )
-    blocks = [
-        RevMViTv1Block(
-            p.width,
-            p.num_heads,
-            p.kv_stride,
-            drop_path=dpr[i],
-            separate_qkv=False,
-            **common,
-        )
-        for i in p.reversible
-    ]
-    stack = ReversibleStack(blocks, engine=cfg.engine)
-    return MViTStage(transition, stack, map_dims=3)
-
-
-class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
+class RevMViTVideo(RevMViTFamilyMixin, StageFeaturesMixin, ReversibleModelMixin, nn.Module):
     """The published reversible video MViT (Rev-MViT-B 16x4).
 
     ``forward_intermediates`` and ``features_only=True`` give one space-time map per stage,
@@ -334,42 +245,16 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
         self.cfg = cfg
         self.in_chans = cfg.in_chans
         self.clip_size: Triple = (cfg.num_frames, cfg.img_size, cfg.img_size)
-        self.patch_embed = PatchEmbed(
-            cfg.in_chans,
-            cfg.embed_dim,
-            cfg.patch_kernel,
-            cfg.patch_stride,
-            cfg.patch_padding,
-            flatten=False,
-        )
-        self.grid_size = grid = self.patch_embed.output_size(self.clip_size)  # (T', H', W')
-        if min(grid) < 1:
-            raise ValueError(f"clip {self.clip_size} is smaller than the patch embedding")
+        grid = self._init_patch_embed(cfg, self.clip_size, f"clip {self.clip_size}")
+        self.grid_size = grid  # (T', H', W')
         self.pos_embed_spatial = nn.Parameter(torch.zeros(1, grid[1] * grid[2], cfg.embed_dim))
         self.pos_embed_temporal = nn.Parameter(torch.zeros(1, grid[0], cfg.embed_dim))
-
-        plans = _plan(cfg)
-        self.num_stages = len(plans)
-        dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
-        stages, self.feature_info = [], []
-        for s, p in enumerate(plans):
-            stages.append(_stage(cfg, s, p, dpr))
-            # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
-            self.feature_info.append(
-                {
-                    "num_chs": 2 * p.width,
-                    "reduction": cfg.patch_stride[1] * cfg.q_stride[1] ** s,
-                    "module": f"stages.{s}",
-                }
-            )
-        self.stages = nn.ModuleList(stages)
-        self._block_paths = _block_paths(plans)
-
-        self.num_classes = cfg.num_classes
-        self.num_features = 2 * plans[-1].width
-        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)  # on every token, before the mean
-        self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = make_head(self.num_features, cfg.num_classes)
+        # Spatial reduction: time is halved by the stem only (q_stride [1, 2, 2]).
+        self._build_stages(
+            plan_stages(cfg, cfg.q_stride),
+            lambda s: cfg.patch_stride[1] * cfg.q_stride[1] ** s,
+            map_dims=3,
+        )
         self._set_pretrained_cfg(
             (cfg.in_chans, *self.clip_size),
             tuple(cfg.mean),
@@ -384,14 +269,27 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
         )
         self._init_weights()
 
+    def _make_transition(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        # Averages the previous stack's two streams (width_in each), then widens to width.
+        return RevMViTVideoTransition(
+            p.width_in,
+            p.width,
+            p.num_heads,
+            self.cfg.q_stride,
+            p.kv_stride,  # type: ignore[arg-type]
+            drop_path=path_rate,
+            **common,
+        )
+
+    def _make_block(self, p: RevMViTStagePlan, path_rate: float, **common: Any) -> nn.Module:
+        return RevMViTv1Block(
+            p.width, p.num_heads, p.kv_stride, drop_path=path_rate, separate_qkv=False, **common
+        )
+
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed_spatial, std=0.02)
         trunc_normal_(self.pos_embed_temporal, std=0.02)
         init_linears_(self.stages)
-
-    def block_paths(self) -> List[str]:
-        """Module path of block ``i`` (PySlowFast's ``rev_backbone.layers.{i}``), in order."""
-        return list(self._block_paths)
 
     def example_inputs(
         self, batch_size: int = 2, device: Any = None, dtype: torch.dtype = torch.float32
@@ -401,25 +299,9 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
             torch.randn(batch_size, self.cfg.in_chans, *self.clip_size, device=device, dtype=dtype),
         )
 
-    # -- timm model interface -------------------------------------------------------------
-
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {"pos_embed_spatial", "pos_embed_temporal"}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """timm's parameter groups: the stem, each block in depth order, then the head."""
-        return stage_group_matcher(coarse, r"^pos_embed|^patch_embed")
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a fresh one for ``num_classes`` (0: no classifier)."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"expected global_pool 'avg' (mean over tokens), got {global_pool!r}")
-        self._replace_head(num_classes)
-        self.head.to(self.pos_embed_spatial.device, self.pos_embed_spatial.dtype)
-
-    # -- forward --------------------------------------------------------------------------
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         x = check_video(x, self.cfg.in_chans, self.clip_size)
@@ -429,21 +311,6 @@ class RevMViTVideo(StageFeaturesMixin, ReversibleModelMixin, nn.Module):
             1, T, 1, 1, -1
         )  # (1, T, H, W, C)
         return x + pos
-
-    def _end(self, x: Union[torch.Tensor, StageEnd]) -> torch.Tensor:
-        # Per token, as published (before the mean).
-        return checkpoint_stage_end(self.norm, x, self.grad_checkpointing)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Clips ``(B, C, T, H, W)`` to the normalised last map ``(B, T', H', W', F)``."""
-        x = self._stem(x)
-        for stage in self.stages:
-            x = stage.forward_ends(x)
-        return self._end(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(x.flatten(1, -2).mean(dim=1))  # (B, F)
-        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
@@ -467,39 +334,14 @@ def checkpoint_filter_fn(
     pooling convolutions are Conv3d here too). Keys of no known layout pass through, so that the
     strict check names them.
     """
-    layout = detect_layout(state_dict)
-    if layout == "pareprop":
+    if not is_pyslowfast(state_dict, "Rev-MViT-B 16x4"):
         return state_dict
-    if layout != "pyslowfast":
-        raise PretrainedError(
-            f"Rev-MViT-B 16x4 weights are published by PySlowFast only; got a {layout} file"
-        )
     if "pos_embed" in state_dict and "pos_embed_spatial" not in state_dict:
         raise PretrainedError(
             "the file has one joint 'pos_embed' and no 'pos_embed_spatial': it is the image "
             "Rev-MViT-B (create 'rev_mvit_base'), not the video model"
         )
-    paths = model.block_paths()
-    prefix = "rev_backbone.layers."
-    out: Dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        new = key
-        if key.startswith(prefix):
-            i, rest = key[len(prefix) :].split(".", 1)
-            if not i.isdigit() or int(i) >= len(paths):
-                raise PretrainedError(
-                    f"the file has block {i} ({key!r}) but the model has {len(paths)} blocks; "
-                    "create it with the file's depth"
-                )
-            for old, ours in _RENAMES.items():
-                if rest.startswith(old):
-                    rest = ours + rest[len(old) :]
-                    break
-            new = f"{paths[int(i)]}.{rest}"
-        elif key.startswith("head.projection."):
-            new = "head." + key[len("head.projection.") :]
-        out[new] = value
-    return out
+    return rename_pyslowfast(state_dict, model.block_paths(), _RENAMES)
 
 
 def clip_tokens(cfg: RevMViTVideoConfig) -> int:

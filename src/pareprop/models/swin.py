@@ -28,7 +28,7 @@ from timm.layers import to_2tuple
 from pareprop.chunking import Chunk, Split
 from pareprop.engine import ENGINES, ReversibleBlock, ReversibleStack
 from pareprop.engine.recompute import maybe_checkpoint
-from pareprop.layers import Mlp, check_image, make_config
+from pareprop.layers import Mlp, PatchEmbed, check_image, make_config
 from pareprop.layers.drop import DropPath, drop_path
 from pareprop.layers.window_attention import (
     WindowAttention,
@@ -45,7 +45,7 @@ from pareprop.models._base import (
     init_weights_,
     make_head,
 )
-from pareprop.models._features import StageFeaturesMixin
+from pareprop.models._features import StageFeaturesMixin, join_streams
 from pareprop.models._registry import register_model
 
 __all__ = ["SwinConfig", "RevSwinBlock", "RevSwinStage", "RevSwin", "SWIN_VARIANTS"]
@@ -126,19 +126,6 @@ def _stage_window(resolution: Tuple[int, int], window: int) -> Tuple[int, int]:
     return window, window // 2
 
 
-class PatchEmbed(nn.Module):
-    """Non-overlapping patches by a strided convolution, then LayerNorm; channels-last out."""
-
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        self.norm = nn.LayerNorm(embed_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x).permute(0, 2, 3, 1)  # (B, H/p, W/p, C)
-        return self.norm(x)
-
-
 class PatchMerging(nn.Module):
     """2x2 neighbouring tokens concatenated (4C), normalised, projected to 2C; odd sizes padded."""
 
@@ -182,10 +169,6 @@ class StreamFusion(nn.Module):
 
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         return self.mlp(self.norm(x), chunk, dim=1)
-
-
-def _join_streams(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x1, x2], dim=-1)  # (B, H, W, 2C)
 
 
 class RevSwinBlock(ReversibleBlock):
@@ -354,7 +337,7 @@ class RevSwinStage(nn.Module):
         # Joined inside the checkpoint: it keeps the two streams, which the stack keeps anyway,
         # not their concatenation (B, H, W, 2C) beside them.
         return maybe_checkpoint(self.fuse, (x1, x2), self.grad_checkpointing, chunking,
-                                join=_join_streams)  # (B, H, W, C)
+                                join=join_streams)  # (B, H, W, C)
 
 
 class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
@@ -371,7 +354,15 @@ class RevSwin(StageFeaturesMixin, ReversibleImageModelMixin, nn.Module):
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         n = len(cfg.depths)
-        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans, cfg.embed_dim)
+        # Non-overlapping patches, then LayerNorm; channels-last (B, H/p, W/p, C) out.
+        self.patch_embed = PatchEmbed(
+            cfg.in_chans,
+            cfg.embed_dim,
+            cfg.patch_size,
+            cfg.patch_size,
+            flatten=False,
+            norm_layer=nn.LayerNorm,
+        )
         dpr = drop_path_rates(cfg.drop_path_rate, cfg.depth)
         res = (cfg.img_size[0] // cfg.patch_size, cfg.img_size[1] // cfg.patch_size)
         stages = []

@@ -33,7 +33,7 @@ from pareprop.models._base import (
     init_linears_,
     make_head,
 )
-from pareprop.models._features import check_output_fmt
+from pareprop.models._features import check_output_fmt, join_streams
 from pareprop.models._registry import register_model
 from pareprop.models.published import PretrainedError, detect_layout
 
@@ -232,7 +232,7 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = self._streams(x)  # unpacked: torch.fx's proxies iterate only this way
-        return _join_streams(x1, x2)  # (B, N, 2C)
+        return join_streams(x1, x2)  # (B, N, 2C)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``(B, C, H, W)`` to the normalised output tokens ``(B, N, 2 * embed_dim)``."""
@@ -308,16 +308,12 @@ class RevViT(ReversibleImageModelMixin, nn.Module):
             return self.forward_head(self.forward_features(x))
         x1, x2 = self._streams(x, checkpoint_stem=True)
         pooled = maybe_checkpoint(self._pooled_tokens, (x1, x2), True, chunking,
-                                  join=_join_streams)  # (B, 2C)
+                                  join=join_streams)  # (B, 2C)
         return self._classify(pooled)
 
     def checkpoint_filter(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """:func:`checkpoint_filter_fn` on this model (what ``pareprop.load_pretrained`` uses)."""
         return checkpoint_filter_fn(state, self)
-
-
-def _join_streams(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x1, x2], dim=-1)  # (B, N, 2C)
 
 
 class _PooledTokens:

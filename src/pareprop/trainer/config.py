@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from pareprop.devices import check_device_name
 from pareprop.engine.chunk_cost import parse_chunking
 from pareprop.memory.budget import parse_budget
+from pareprop.memory.step import AMP_MODES
 from pareprop.trainer.finetune import apply_convert_options
 
-AMP_MODES = ("none", "bf16", "fp16")
 # What a run learns: classification (an image, video or text classifier) or detection (a
 # torchvision detector on COCO-format data; pareprop.trainer.detection).
 TASKS = ("classification", "detection")
