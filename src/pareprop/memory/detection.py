@@ -106,9 +106,16 @@ class SplitTracker(StepPeakTracker):
 
     def _freed(self, key: int, ref: Any) -> None:
         entry = self._sizes.get(key)
-        if entry is not None and entry[0] is ref:
+        if entry is not None and entry[0] is ref and key in self._part_of:
             self.parts[self._part_of.pop(key)] -= entry[1]
         super()._freed(key, ref)
+
+    def _count_aside(self) -> None:
+        before = set(self._sizes)
+        super()._count_aside()
+        for key in set(self._sizes) - before:  # what a chunk's measurement left alive
+            self._part_of[key] = self.phase
+            self.parts[self.phase] += self._sizes[key][1]
 
     def _new_peak(self) -> None:
         self.split = dict(self.parts)
@@ -281,6 +288,9 @@ def _build_detector(name: str, engine: str, num_classes: int, image_size: Tuple[
         # (0, 1): every block rebuilt; (1, 0): detectron2's network, whose blocks are stored.
         backbone_args.setdefault("coupling", (0.0, 1.0) if rev else (1.0, 0.0))
         backbone_args.setdefault("tolerance", None)  # a guard measures real steps
+        # detectron2's configurations train these backbones with ViTDet's heads (convs with
+        # a norm in the box and mask heads, a 2-conv RPN head), not torchvision's defaults.
+        kwargs.setdefault("heads", "vitdet")
     kwargs.setdefault("min_size", min(image_size))
     kwargs.setdefault("max_size", max(image_size))
     return create_detector(arch, backbone, num_classes, engine=engine if rev else "autograd",

@@ -41,6 +41,7 @@ from pareprop.catalog import (
 from pareprop.engine import set_chunking
 from pareprop.engine.chunk_cost import tracing_distinct_chunks
 from pareprop.memory.budget import set_memory_budget
+from pareprop.memory.detection import is_detector_name, plan_detector
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -138,8 +139,10 @@ def plan_memory(
     """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
 
     Args:
-        name: a pareprop model (``rev_vit_base_patch16_224``...) or a timm model
-            (``vit_base_patch16_224``...).
+        name: a pareprop model (``rev_vit_base_patch16_224``...), a timm model
+            (``vit_base_patch16_224``...) or a detector ``ARCH:BACKBONE``
+            (``maskrcnn:detectron2:vitdet_b``: :func:`pareprop.memory.detection.plan_detector`,
+            whose keywords ``img_size``, ``gt_per_image``... pass through ``overrides``).
         batch_size: samples per step.
         engine: ``autograd``, ``reversible``, ``pareprop`` (reversible models); ``plain`` or
             ``checkpointed`` (timm's ``set_grad_checkpointing()``) for the others.
@@ -169,6 +172,12 @@ def plan_memory(
     Example:
         ``pareprop.plan_memory("rev_vit_large_patch16_224", 256, "reversible", amp="bf16")``
     """
+    if is_detector_name(name):
+        if memory_budget is not None or grad_checkpointing:
+            raise ValueError(f"memory_budget and grad_checkpointing are not planned for "
+                             f"detectors; use engine 'checkpointed' for {name!r}")
+        return plan_detector(name, batch_size, engine, amp=amp, optimizer=optimizer,
+                             device=device, chunk_bytes=chunk_bytes, **overrides)
     # torch's private fake-tensor module: loaded by the first plan, not at ``import pareprop``.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
