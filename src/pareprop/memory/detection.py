@@ -38,9 +38,9 @@ import torch.nn as nn
 from pareprop.memory.measure import StepPeakTracker, apply_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
+    FLOOR_MAPS,
     _SavedBytes,
     _StreamBytes,
-    FLOOR_MAPS,
     amp_dtype,
     amp_label,
     create_optimizer_state,
@@ -74,9 +74,10 @@ def is_detector_name(name: Any) -> bool:
 
 
 def _trunk(backbone: nn.Module) -> nn.Module:
-    for attr in ("body", "net", "bottom_up"):
+    # detectron2's pyramids read ``net``/``bottom_up`` (their ``body`` is themselves).
+    for attr in ("net", "bottom_up", "body"):
         body = getattr(backbone, attr, None)
-        if isinstance(body, nn.Module):
+        if isinstance(body, nn.Module) and body is not backbone:
             return body
     raise ValueError(f"expected a detection backbone with a trunk (body, net or bottom_up), "
                      f"got {type(backbone).__name__}")
@@ -192,9 +193,10 @@ def _phases(detector: nn.Module, tracker: SplitTracker):
 
 def detector_step(detector: nn.Module, images: List[torch.Tensor], targets: List[dict],
                   optimizer: Any, dtype: Optional[torch.dtype],
-                  tracker: SplitTracker) -> Dict[str, int]:
+                  tracker: Optional[SplitTracker] = None) -> Dict[str, int]:
     """One training step of a torchvision detector (the sum of its losses), counted by
-    ``tracker``; returns the byte counts of :func:`pareprop.memory.step.run_step`."""
+    ``tracker`` (None: not counted); returns the byte counts of
+    :func:`pareprop.memory.step.run_step`."""
     params = list(detector.parameters()) + list(detector.buffers())
     given = list(images) + [v for t in targets for v in t.values() if isinstance(v, torch.Tensor)]
     counts = {"parameters": unique_bytes(params), "inputs": unique_bytes(given)}
@@ -202,8 +204,9 @@ def detector_step(detector: nn.Module, images: List[torch.Tensor], targets: List
         optimizer.zero_grad(set_to_none=True)
     else:
         detector.zero_grad(set_to_none=True)
-    tracker.track_owned(detector, optimizer)
-    tracker.track_external(given)
+    if tracker is not None:
+        tracker.track_owned(detector, optimizer)
+        tracker.track_external(given)
     saved = _SavedBytes(params + given)
     autocast = (torch.autocast(images[0].device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
@@ -211,18 +214,25 @@ def detector_step(detector: nn.Module, images: List[torch.Tensor], targets: List
     collecting = gc.isenabled()
     gc.disable()  # NOTE [ A count that does not depend on the collector ] in measure.py
     try:
-        with tracker, _phases(detector, tracker):
+        counting = (contextlib.nullcontext() if tracker is None
+                    else contextlib.ExitStack())
+        if tracker is not None:
+            counting.enter_context(tracker)
+            counting.enter_context(_phases(detector, tracker))
+        with counting:
             with saved.hooks(), streams:
                 with autocast:
                     losses = detector(images, targets)
                 loss = sum(v.float() for v in losses.values())
             counts["activations"] = saved.alive_bytes()
             del losses
-            tracker.phase = "heads"
+            if tracker is not None:
+                tracker.phase = "heads"
             loss.backward()
             del loss
             counts["gradients"] = unique_bytes(p.grad for p in detector.parameters())
-            tracker.phase = "optimizer"
+            if tracker is not None:
+                tracker.phase = "optimizer"
             if optimizer is not None:
                 optimizer.step()
     finally:

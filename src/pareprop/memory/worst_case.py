@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 import torchvision.models.detection.roi_heads as tv_roi_heads
 from torch.overrides import TorchFunctionMode
-from torchvision.ops import box_iou, boxes as box_ops
+from torchvision.ops import box_iou
+from torchvision.ops import boxes as box_ops
 
 __all__ = ["worst_case_sampling"]
 
