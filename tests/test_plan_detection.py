@@ -26,7 +26,7 @@ KW = dict(
 )
 
 
-def _real(engine, amp, counts):
+def _real(engine, amp, counts, gc=False):
     torch.manual_seed(0)
     det = _build_detector(NAME, engine, 4, (SIZE, SIZE), KW)
     rpn_filter, select = det.rpn.filter_proposals, det.roi_heads.select_training_samples
@@ -46,18 +46,22 @@ def _real(engine, amp, counts):
     det.roi_heads.select_training_samples = select_training_samples
     images = [torch.rand(3, SIZE, SIZE) for _ in range(2)]
     targets = synthetic_targets(2, (SIZE, SIZE), 4, GT, masks=True)
-    return detector_memory_report(det, images, targets, engine=engine, amp=amp, optimizer="none")
+    return detector_memory_report(det, images, targets, engine=engine, amp=amp, optimizer="none",
+                                  grad_checkpointing=gc)
 
 
-@pytest.mark.parametrize("engine,amp", [("reversible", None), ("checkpointed", "bf16")])
-def test_plan_matches_a_real_step_at_the_worst_case(engine, amp):
+@pytest.mark.parametrize("engine,amp,gc", [
+    ("reversible", None, False), ("checkpointed", "bf16", False), ("reversible", "bf16", True)])
+def test_plan_matches_a_real_step_at_the_worst_case(engine, amp, gc):
     counts = {}
-    real = _real(engine, amp, counts)
+    real = _real(engine, amp, counts, gc)
     # The real step reached the worst case the configuration allows.
     assert counts["proposals"] == [50, 50]
     assert counts["rois"] == [32, 32] and counts["positives"] == [8, 8]
     plan = plan_detector(NAME, 2, engine, amp=amp, optimizer="none", device="cpu",
-                         img_size=SIZE, num_classes=4, gt_per_image=GT, **KW)
+                         img_size=SIZE, num_classes=4, gt_per_image=GT, grad_checkpointing=gc,
+                         **KW)
+    assert plan.grad_checkpointing == gc
     assert plan.method == "tracked_fake" and real.method == "tracked_real"
     assert abs(plan.peak - real.peak) <= 0.05 * real.peak
     assert abs(plan.activations - real.activations) <= 0.05 * real.activations
@@ -75,6 +79,10 @@ def test_split_sums_to_the_peak_and_the_engines_differ_in_the_backbone():
         assert plan.to_dict()["split"] == plan.split
         assert "at the peak: backbone" in plan.table()
     assert plans["reversible"].floor > 0 and plans["plain"].floor == 0
+    # The transitions checkpointed keep less than the same reversible step without.
+    gc = pareprop.plan_memory(NAME, 2, "reversible", device="cpu", img_size=SIZE, num_classes=4,
+                              gt_per_image=GT, grad_checkpointing=True, **KW)
+    assert gc.activations < plans["reversible"].activations
 
 
 @pytest.mark.parametrize("name,engine,match", [

@@ -191,6 +191,21 @@ def _phases(detector: nn.Module, tracker: SplitTracker):
             h.remove()
 
 
+def apply_detector_engine(detector: nn.Module, engine: Optional[str],
+                          grad_checkpointing: bool = False) -> None:
+    """Put a detector's backbone on ``engine`` (:func:`pareprop.memory.measure.apply_engine`);
+    under ``checkpointed``, and with ``grad_checkpointing`` under the reversible engines, the
+    backbone's blocks that are not reversible (MViT's stage transitions) are checkpointed too,
+    as detectron2's ``use_act_checkpoint`` checkpoints every block."""
+    apply_engine(detector, engine)
+    setter = getattr(detector.backbone, "set_grad_checkpointing", None)
+    if setter is not None:
+        setter(engine == "checkpointed" or bool(grad_checkpointing))
+    elif grad_checkpointing:
+        raise ValueError(f"grad_checkpointing needs the backbone's set_grad_checkpointing(); "
+                         f"{type(detector.backbone).__name__} has none")
+
+
 def detector_step(detector: nn.Module, images: List[torch.Tensor], targets: List[dict],
                   optimizer: Any, dtype: Optional[torch.dtype],
                   tracker: Optional[SplitTracker] = None) -> Dict[str, int]:
@@ -328,6 +343,7 @@ def plan_detector(
     optimizer: str = "adamw",
     device: str = "cuda",
     chunk_bytes: Any = None,
+    grad_checkpointing: bool = False,
     img_size: Any = 1024,
     num_classes: int = 81,
     gt_per_image: int = DEFAULT_GT_PER_IMAGE,
@@ -340,6 +356,9 @@ def plan_detector(
         batch_size: images per step.
         engine: ``reversible``, ``pareprop``, ``plain`` or ``checkpointed`` (module docstring).
         amp, optimizer, device, chunk_bytes: as :func:`pareprop.plan_memory` takes them.
+        grad_checkpointing: reversible engines: the backbone's blocks that are not reversible
+            (MViT's stage transitions) under activation checkpointing
+            (:func:`apply_detector_engine`; ``checkpointed`` always does).
         img_size: the images' size, ``1024``, ``"1024x1024"`` or ``(H, W)``; the detector's
             ``min_size``/``max_size`` default to it, so they enter its backbone unresized.
         num_classes: classes including background (81: COCO).
@@ -372,7 +391,10 @@ def plan_detector(
         detector = _build_detector(name, engine, num_classes, image_size, detector_kwargs)
     with fake_mode:
         detector.to_empty(device="cpu")
-    apply_engine(detector, engine)
+    if grad_checkpointing and engine not in ("reversible", "pareprop"):
+        raise ValueError(f"grad_checkpointing is for the reversible engines (engine "
+                         f"'checkpointed' checkpoints every block already), got {engine!r}")
+    apply_detector_engine(detector, engine, grad_checkpointing)
     with fake_mode:
         detector.train()
         images = [torch.empty(3, *image_size) for _ in range(batch_size)]
@@ -390,8 +412,10 @@ def plan_detector(
         tracker = SplitTracker()
         with _planning_values(), tracing_distinct_chunks(), worst_case_sampling(detector):
             counts = detector_step(detector, images, targets, opt, dtype, tracker)
-    return _report(counts, tracker, name, engine, batch_size, dtype, str(device),
-                   "tracked_fake", size)
+    report = _report(counts, tracker, name, engine, batch_size, dtype, str(device),
+                     "tracked_fake", size)
+    report.grad_checkpointing = bool(grad_checkpointing)
+    return report
 
 
 def _report(counts: Dict[str, int], tracker: SplitTracker, name: str, engine: str,
@@ -411,12 +435,13 @@ def detector_memory_report(
     optimizer: str = "adamw",
     amp: Any = None,
     name: str = "",
+    grad_checkpointing: bool = False,
 ) -> MemoryReport:
     """Measure one training step of a torchvision detector on real CPU tensors, with the peak
     split (NOTE [ The peak split of a detector ]); what :func:`plan_detector` predicts.
 
-    ``engine`` is applied as :func:`pareprop.memory.measure.apply_engine` does (``plain``
-    keeps the detector's engines: build it under ``autograd`` for the unconverted network).
+    ``engine`` is applied by :func:`apply_detector_engine` (``plain`` keeps the detector's
+    engines: build it under ``autograd`` for the unconverted network).
     """
     images, targets = list(images), list(targets)
     if not images or not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in images):
@@ -427,7 +452,7 @@ def detector_memory_report(
         raise ValueError("expected CPU tensors: the split is counted by a tracker of real CPU "
                          "storages (on CUDA use torch.cuda.max_memory_allocated)")
     dtype = amp_dtype(amp)
-    apply_engine(detector, engine)
+    apply_detector_engine(detector, engine, grad_checkpointing)
     detector.train()
     opt = make_optimizer(detector, optimizer)
     create_optimizer_state(detector, opt)

@@ -173,11 +173,12 @@ def plan_memory(
         ``pareprop.plan_memory("rev_vit_large_patch16_224", 256, "reversible", amp="bf16")``
     """
     if is_detector_name(name):
-        if memory_budget is not None or grad_checkpointing:
-            raise ValueError(f"memory_budget and grad_checkpointing are not planned for "
-                             f"detectors; use engine 'checkpointed' for {name!r}")
+        if memory_budget is not None:
+            raise ValueError(f"memory_budget is not planned for detectors ({name!r}); plan "
+                             "the reversible engines without it, or engine 'checkpointed'")
         return plan_detector(name, batch_size, engine, amp=amp, optimizer=optimizer,
-                             device=device, chunk_bytes=chunk_bytes, **overrides)
+                             device=device, chunk_bytes=chunk_bytes,
+                             grad_checkpointing=grad_checkpointing, **overrides)
     # torch's private fake-tensor module: loaded by the first plan, not at ``import pareprop``.
     from torch._subclasses.fake_tensor import FakeTensorMode
 

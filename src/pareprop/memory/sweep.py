@@ -83,7 +83,8 @@ def plan_sweep(
         planned = None if detector else own.get(
             "coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, [None] if detector else memory_budgets):
-            gc = grad_checkpointing and not detector and model_facts(name).reversible
+            gc = grad_checkpointing and (engine in ("reversible", "pareprop") if detector
+                                         else model_facts(name).reversible)
             chunked = chunk_bytes if engine in ("reversible", "pareprop") else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       chunk_bytes=chunked, **own)
