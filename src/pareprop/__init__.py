@@ -31,6 +31,10 @@ from pareprop.memory.drift import DriftReport, drift_report
 from pareprop.models import create_model, is_model, list_models, model_spec, register_model
 from pareprop.pretrained import PretrainedError, load_pretrained
 
+# Detectors: imported so that plan_memory and largest_batch know their names (NOTE [ Detectors
+# reach the planner by registration ] in memory/detection.py).
+from pareprop import detection  # noqa: E402,F401  isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -2,8 +2,10 @@
 
 With no options it runs a small CPU-sized sweep (a Rev-ViT-Ti stack at depths 4, 12, 24 and
 batches 4 and 16 with the three engines and the same blocks checkpointed, sized so that
-activations dominate the step's memory) that shows the claim in about two minutes; every option
-overrides one part of that sweep.
+activations dominate the step's memory) that shows the claim in about two minutes, then one
+training step of a tiny reversible Mask R-CNN (its time, peak split and plan:
+``pareprop.bench.detection``; ``--no-detector`` skips it); every option overrides one part of
+that sweep.
 See docs/benchmarks.md.
 
 Examples::
@@ -27,6 +29,7 @@ import torch
 
 from pareprop import bench, catalog
 from pareprop.bench import ALL_ENGINES, AMP_MODES, default_config, stop
+from pareprop.bench.detection import bench_detector, format_detector_table
 from pareprop.bench.plots import plot_drift
 from pareprop.cli.options import (
     Parser,
@@ -108,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", metavar="SIZE",
                    help="reversible engines: rebuild and differentiate each block's branches in "
                    "chunks whose graphs save at most SIZE bytes (256MiB...; default: whole)")
+    p.add_argument("--no-detector", action="store_true",
+                   help="the default sweep: skip its detector step (a tiny Mask R-CNN)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--drift", action="store_true",
                    help="reconstruction-drift report per block (pareprop.drift_report)")
@@ -207,6 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     headline = bench.format_headline(records)
     if headline and not interrupted:
         print("\n" + headline + "  (peak: the whole step; largest batch: planned)")
+    if args.models is None and not args.no_detector and not interrupted:
+        _detector(config, args.out)
     print(f"\nwrote {paths['json']}, {paths['csv']} and {len(paths['plots'])} plot(s) in "
           f"{args.out}")
     if interrupted:
@@ -219,6 +226,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pareprop bench: {len(failed)} configuration(s) failed; see the status column",
               file=sys.stderr)
     return 1 if failed and len(failed) == len(records) else 0
+
+
+def _detector(config: Any, out_dir: str) -> None:
+    """The default sweep's detector step on the CPU (pareprop/bench/detection.py)."""
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        records = bench_detector(plan=config.plan)
+    finally:
+        torch.set_num_threads(threads)
+    print("\ndetector step (CPU, a tiny Mask R-CNN on 64x64 images; peak counted on a real "
+          "step, split at the peak)")
+    print(format_detector_table(records))
+    with open(os.path.join(out_dir, "detector.json"), "w") as fh:
+        json.dump(records, fh, indent=1)
 
 
 # NOTE [ --drift ]

@@ -18,6 +18,8 @@ Examples::
         --engines reversible checkpointed --amp bf16 --memory 80GiB --chunk-bytes 1GiB
     pareprop plan --models converted:vit_base_patch16_224 --engines reversible \\
         --coupling 0.5 0.5 --amp bf16 --batch-sizes 64
+    pareprop plan --models maskrcnn:detectron2:vitdet_b --engines reversible checkpointed \\
+        plain --amp bf16 --memory 80GiB --chunk-bytes 1GiB --img-size 1024x1024
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "that apply)")
     p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[], metavar="N")
     p.add_argument("--amp", choices=AMP_MODES, default="none")
-    p.add_argument("--img-size", type=positive_int, metavar="PX")
+    p.add_argument("--img-size", type=_image_size, metavar="PX|HxW",
+                   help="input side of image models; detectors (ARCH:BACKBONE) also take "
+                   "HxW, e.g. 1024x1024 (their default)")
     p.add_argument("--num-frames", type=positive_int, metavar="T",
                    help="frames per clip of video models (rev_mvit_base_16x4, mvit_v1_b)")
     p.add_argument("--depth", type=positive_int, metavar="N", help="total number of blocks")
@@ -134,6 +138,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     png = plot_plan(plan, os.path.join(args.out, "plan.png"))
     print(f"\nwrote {path} and {png}")
     return 0
+
+
+def _image_size(text: str):
+    """``PX`` -> int; ``HxW`` -> (H, W)."""
+    parts = text.lower().split("x")
+    if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
+        return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    raise argparse.ArgumentTypeError(f"expected a positive size PX or HxW, got {text!r}")
 
 
 def _check_coupling(args: argparse.Namespace) -> None:

@@ -21,6 +21,15 @@ from pareprop.detection.names import (
 from pareprop.detection.pyramid import FPN, LEVELS, SimpleFeaturePyramid
 
 from pareprop.detection.detectron2 import from_detectron2  # noqa: E402,F401  registers detectron2:NAME  isort: skip
+from pareprop.detection.names import backbone_builder  # noqa: E402  isort: skip
+from pareprop.memory.detection import (  # noqa: E402  isort: skip
+    DetectorFactory,
+    register_detector_factory,
+)
+
+# NOTE [ Detectors reach the planner by registration ] (pareprop/memory/detection.py)
+register_detector_factory(DetectorFactory(
+    DETECTOR_ARCHS, create_detector, parse_detector_name, backbone_builder))
 
 __all__ = [
     "DETECTOR_ARCHS",

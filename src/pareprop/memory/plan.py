@@ -8,16 +8,16 @@ NOTE [ Planning under FakeTensorMode ]
     therefore the real one: the engine's autograd Function, its recomputation in backward,
     PaReprop's two live graphs, autocast's casts, AdamW's temporaries.
 
-    Written here because torch has no one-call planner: the meta build (with ``linspace`` on
-    the CPU, see ``_cpu_linspace``), the optimizer state of a later step, the breakdown and the
-    largest-batch search. The trace runs on fake *CPU* tensors even when ``device="cuda"`` is
-    planned (fake CUDA tensors would need a CUDA runtime for RNG state, streams and autocast);
-    for CUDA the optimizer uses CUDA's default multi-tensor (``foreach``) path. What a
-    prediction leaves out is listed in docs/memory.md: the CUDA context and kernel
-    workspaces (cuBLAS, cuDNN), allocator rounding and fragmentation (the caching allocator
-    reserves more than it allocates), the differences between CPU and CUDA autocast (CUDA runs
-    softmax and layer norm in float32 under autocast) and attention kernels, and the extra
-    lifetime that ``record_stream`` gives PaReprop's tensors on the GPU.
+    Written here because torch has no one-call planner: the meta build (with ``linspace`` on the
+    CPU: ``fake_modes.cpu_linspace``), the optimizer state of a later step, the breakdown and
+    the largest-batch search. The trace runs on fake *CPU* tensors even when ``device="cuda"``
+    is planned (fake CUDA tensors would need a CUDA runtime for RNG state, streams and
+    autocast); for CUDA the optimizer uses CUDA's default multi-tensor (``foreach``) path. What
+    a prediction leaves out is listed in docs/memory.md: the CUDA context and kernel workspaces
+    (cuBLAS, cuDNN), allocator rounding and fragmentation (the caching allocator reserves more
+    than it allocates), the differences between CPU and CUDA autocast (CUDA runs softmax and
+    layer norm in float32 under autocast) and attention kernels, and the extra lifetime that
+    ``record_stream`` gives PaReprop's tensors on the GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 from pareprop.catalog import (
     ALL_ENGINES,
@@ -44,6 +43,8 @@ from pareprop.catalog import (
 from pareprop.engine import set_chunking
 from pareprop.engine.chunk_cost import tracing_distinct_chunks
 from pareprop.memory.budget import set_memory_budget
+from pareprop.memory.detection import is_detector_name, plan_detector
+from pareprop.memory.fake_modes import cpu_linspace, planning_values
 from pareprop.memory.measure import apply_engine, tracked_peak
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
@@ -73,37 +74,6 @@ AUTO_CHUNK_FRACTIONS = (2.0, 0.5, 1 / 8, 1 / 32)
 AUTO_CHUNK_TOLERANCE = 0.01
 
 
-class _cpu_linspace(TorchFunctionMode):
-    # Some builders turn ``torch.linspace(...)`` into Python floats (drop-path rates); on the
-    # meta device that has no data. A linspace of a few numbers is made on the CPU instead.
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.linspace:
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-# NOTE [ Value checks of text models under FakeTensorMode ]
-#     Fake tensors have no values, so a model that validates its token ids
-#     (``int(ids.min())``) or looks at its padding mask (``bool(mask.all())``) cannot run on
-#     them. While planning, those reductions of integer and boolean tensors (no ``dim``) answer
-#     as for valid ids and a mask without padding: ``min``/``max`` give 0, ``all`` True, ``any``
-#     False (no invalid entry). Text steps are planned without padding, which is also the most
-#     memory a batch of that length can take.
-_VALUE_ANSWERS = {torch.Tensor.min: 0, torch.Tensor.max: 0, torch.Tensor.all: True,
-                  torch.Tensor.any: False}
-
-
-class _planning_values(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func in _VALUE_ANSWERS and len(args) == 1 and not kwargs
-                and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()
-                and type(args[0]).__name__ == "FakeTensor"):
-            return _VALUE_ANSWERS[func]
-        return func(*args, **kwargs)
-
-
 # NOTE [ The precision guard in a plan ]
 #     A converted model's precision guard (pareprop/convert/precision_guard.py) measures the
 #     rebuild error of each block on the training batch: values a fake tensor does not have.
@@ -119,7 +89,7 @@ def _fake_model(request: ModelRequest, fake_mode: Any) -> Tuple[nn.Module, Model
     if is_converted(request.model):  # NOTE [ The precision guard in a plan ]
         request = dataclasses.replace(request, overrides={**request.overrides,
                                                           "tolerance": None})
-    with torch.device("meta"), _cpu_linspace():
+    with torch.device("meta"), cpu_linspace():
         model = build_model(request, facts)
     with fake_mode:
         model.to_empty(device="cpu")
@@ -154,8 +124,10 @@ def plan_memory(
     """Predict :func:`pareprop.memory_report` of one training step, allocating nothing.
 
     Args:
-        name: a pareprop model (``rev_vit_base_patch16_224``...) or a timm model
-            (``vit_base_patch16_224``...).
+        name: a pareprop model (``rev_vit_base_patch16_224``...), a timm model
+            (``vit_base_patch16_224``...) or a detector ``ARCH:BACKBONE``
+            (``maskrcnn:detectron2:vitdet_b``: :func:`pareprop.memory.detection.plan_detector`,
+            whose keywords ``img_size``, ``gt_per_image``... pass through ``overrides``).
         batch_size: samples per step.
         engine: ``autograd``, ``reversible``, ``pareprop`` (reversible models); ``plain`` or
             ``checkpointed`` (timm's ``set_grad_checkpointing()``) for the others.
@@ -185,6 +157,13 @@ def plan_memory(
     Example:
         ``pareprop.plan_memory("rev_vit_large_patch16_224", 256, "reversible", amp="bf16")``
     """
+    if is_detector_name(name):
+        if memory_budget is not None:
+            raise ValueError(f"memory_budget is not planned for detectors ({name!r}); plan "
+                             "the reversible engines without it, or engine 'checkpointed'")
+        return plan_detector(name, batch_size, engine, amp=amp, optimizer=optimizer,
+                             device=device, chunk_bytes=chunk_bytes,
+                             grad_checkpointing=grad_checkpointing, **overrides)
     # torch's private fake-tensor module: loaded by the first plan, not at ``import pareprop``.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -225,7 +204,7 @@ def plan_memory(
         set_chunking(model, max_bytes=size)
         # Each chunked branch traces only its distinct chunks: the same peak, in a fraction of
         # the time (NOTE [ Planning a chunked branch from its distinct chunks ]).
-        with _planning_values(), tracing_distinct_chunks():
+        with planning_values(), tracing_distinct_chunks():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
@@ -264,7 +243,7 @@ def _store_for_budget(model: nn.Module, inputs: Tuple[torch.Tensor, ...], budget
                       engine: str, dtype: Optional[torch.dtype]) -> None:
     autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
                 else torch.autocast("cpu", enabled=False))
-    with autocast, _planning_values():
+    with autocast, planning_values():
         set_memory_budget(model, budget, inputs, engine=engine, cost="flops", repeats=1)
 
 

@@ -47,6 +47,9 @@ class MemoryReport:
             memory/step.py).
         chunk_bytes: the chunking planned (``pareprop.set_chunking(max_bytes=...)``); None for
             whole branches.
+        split: detectors only: the bytes alive at the peak by part (``inputs``, ``backbone``,
+            ``pyramid``, ``heads``, ``optimizer``), summing to ``peak`` (NOTE [ The peak split
+            of a detector ] in memory/detection.py); None for other models.
     """
 
     parameters: int
@@ -64,6 +67,7 @@ class MemoryReport:
     grad_checkpointing: bool = False
     floor: int = 0
     chunk_bytes: Optional[int] = None
+    split: Optional[Dict[str, int]] = None
 
     @property
     def transient(self) -> int:
@@ -94,6 +98,8 @@ class MemoryReport:
             ("transient at the peak (grads + backward)", self.transient),
             ("peak of the step", self.peak),
         ]
+        if self.split:
+            rows += [(f"  at the peak: {part}", n) for part, n in self.split.items()]
         if self.floor:
             rows.append(("floor (streams, their gradients, incoming ones)", self.floor))
         width = max(len(r[0]) for r in rows)

@@ -14,6 +14,7 @@ from pareprop.catalog import (
     is_converted,
     model_facts,
 )
+from pareprop.memory.detection import DETECTOR_ENGINES, SPLIT_PARTS, is_detector_name
 from pareprop.memory.plan import largest_batch, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
@@ -22,7 +23,7 @@ __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
 # One record per model, engine and batch size, in plan.json and the printed table.
 PLAN_FIELDS = ("model", "engine", "memory_budget", "grad_checkpointing", "batch_size",
                "amp", "img_size", "device", *BYTE_FIELDS,
-               "inputs", "transient", "floor", "chunk_bytes", "coupling", "fits")
+               "inputs", "transient", "floor", "chunk_bytes", "coupling", "fits", "split")
 
 
 def plan_sweep(
@@ -71,16 +72,20 @@ def plan_sweep(
     records: List[Dict[str, Any]] = []
     largest: List[Dict[str, Any]] = []
     for name in models:
-        mine = engines_for(name, engines)
+        detector = is_detector_name(name)
+        mine = [e for e in engines if e in DETECTOR_ENGINES] if detector else engines_for(
+            name, engines)
         if not mine:
             raise ValueError(f"expected an engine that applies to {name!r}, got {list(engines)}")
         # Only a converted model takes a coupling: any other model's constructor would refuse it.
         own = dict(overrides)
         if coupling is not None and is_converted(name):
             own["coupling"] = tuple(float(c) for c in coupling)
-        planned = own.get("coupling", CONVERTED_COUPLING if converted_source(name) else None)
-        for engine, budget in engine_budgets(mine, memory_budgets):
-            gc = grad_checkpointing and model_facts(name).reversible
+        planned = None if detector else own.get(
+            "coupling", CONVERTED_COUPLING if converted_source(name) else None)
+        for engine, budget in engine_budgets(mine, [None] if detector else memory_budgets):
+            gc = grad_checkpointing and (engine in REVERSIBLE_ENGINES if detector
+                                         else model_facts(name).reversible)
             chunked = chunk_bytes if engine in REVERSIBLE_ENGINES else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       chunk_bytes=chunked, **own)
@@ -94,6 +99,7 @@ def plan_sweep(
                                 "grad_checkpointing": gc, "largest_batch": best,
                                 "peak": at.peak if at is not None else None,
                                 "floor": at.floor if at is not None else None,
+                                "split": at.split if at is not None else None,
                                 "chunk_bytes": at.chunk_bytes if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
@@ -132,6 +138,18 @@ def format_plan(plan: Dict[str, Any]) -> str:
                   _gib(x.get("floor") or None), _mib(x.get("chunk_bytes")))
                  for x in plan["largest_batch"]]
         out.append(_align(rows))
+        split = [x for x in plan["largest_batch"] if x.get("split")]
+        if split:  # detectors: what the peak at the largest batch holds, by part
+            rows = [("model", "engine", "batch", *(f"{p} GiB" for p in SPLIT_PARTS))]
+            rows += [(x["model"], engine_label(x), str(x["largest_batch"]),
+                      *(_gib(x["split"].get(p)) for p in SPLIT_PARTS)) for x in split]
+            out.append("peak split at the largest batch:\n" + _align(rows))
+    elif any(r.get("split") for r in plan["records"]):
+        rows = [("model", "engine", "bs", *(f"{p} GiB" for p in SPLIT_PARTS))]
+        rows += [(r["model"], engine_label(r), str(r["batch_size"]),
+                  *(_gib(r["split"].get(p)) for p in SPLIT_PARTS))
+                 for r in plan["records"] if r.get("split")]
+        out.append("peak split:\n" + _align(rows))
     return "\n\n".join(out)
 
 
