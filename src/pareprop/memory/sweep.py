@@ -14,7 +14,7 @@ from pareprop.catalog import (
     is_converted,
     model_facts,
 )
-from pareprop.memory.plan import largest_batch, plan_memory
+from pareprop.memory.plan import largest_batch, plan_chunking, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
 __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
@@ -68,6 +68,7 @@ def plan_sweep(
     """
     if img_size is not None:
         overrides["img_size"] = img_size
+    chunking = plan_chunking(chunk_bytes)  # a bad size is refused before any model is planned
     records: List[Dict[str, Any]] = []
     largest: List[Dict[str, Any]] = []
     for name in models:
@@ -81,7 +82,7 @@ def plan_sweep(
         planned = own.get("coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, memory_budgets):
             gc = grad_checkpointing and model_facts(name).reversible
-            chunked = chunk_bytes if engine in REVERSIBLE_ENGINES else None
+            chunked = chunking if engine in REVERSIBLE_ENGINES else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       chunk_bytes=chunked, **own)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
