@@ -230,7 +230,15 @@ def plan_memory(
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
                         grad_checkpointing=request.grad_checkpointing,
-                        chunk_bytes=None if chunking is None else chunking.max_bytes)
+                        chunk_bytes=None if chunking is None else chunking.max_bytes,
+                        coupling=_coupling_built(model, name))
+
+
+def _coupling_built(model: nn.Module, name: str) -> Optional[Tuple[float, float]]:
+    """The coupling the model was built at, read from it rather than from the catalog's
+    default (a converted model keeps it as ``model.coupling``); None for other models."""
+    coupling = getattr(model, "coupling", None) if is_converted(name) else None
+    return None if coupling is None else (float(coupling[0]), float(coupling[1]))
 
 
 def plan_chunking(chunk_bytes: Any) -> Union[Chunking, str, None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["MemoryReport", "BYTE_FIELDS"]
 
@@ -47,6 +47,7 @@ class MemoryReport:
             memory/step.py).
         chunk_bytes: the chunking planned (``pareprop.set_chunking(max_bytes=...)``); None for
             whole branches.
+        coupling: a converted model's ``(alpha, beta)`` as built; None for other models.
     """
 
     parameters: int
@@ -64,6 +65,7 @@ class MemoryReport:
     grad_checkpointing: bool = False
     floor: int = 0
     chunk_bytes: Optional[int] = None
+    coupling: Optional[Tuple[float, float]] = None
 
     @property
     def transient(self) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pareprop.catalog import (
-    CONVERTED_COUPLING,
     REVERSIBLE_ENGINES,
-    converted_source,
     engine_budgets,
     engine_label,
     engines_for,
@@ -63,8 +61,8 @@ def plan_sweep(
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
         "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`
-        (``coupling``: the converted model's ``[alpha, beta]``; ``None`` for other models, and
-        for registered converted models planned at their own default).
+        (``coupling``: the converted model's ``[alpha, beta]``, read from the model planned;
+        ``None`` for other models).
     """
     if img_size is not None:
         overrides["img_size"] = img_size
@@ -79,7 +77,6 @@ def plan_sweep(
         own = dict(overrides)
         if coupling is not None and is_converted(name):
             own["coupling"] = tuple(float(c) for c in coupling)
-        planned = own.get("coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, memory_budgets):
             gc = grad_checkpointing and model_facts(name).reversible
             chunked = chunking if engine in REVERSIBLE_ENGINES else None
@@ -98,8 +95,9 @@ def plan_sweep(
                                 "chunk_bytes": at.chunk_bytes if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
+                coupling = reports[bs].coupling  # read from the model planned
                 d.update(img_size=img_size, memory_budget=budget,
-                         coupling=None if planned is None else list(planned),
+                         coupling=None if coupling is None else list(coupling),
                          fits=reports[bs].fits(memory_bytes))
                 records.append({k: d.get(k) for k in PLAN_FIELDS})
     return {"memory_bytes": memory_bytes, "records": records, "largest_batch": largest}
