@@ -3,6 +3,8 @@ plain autograd in float64 with chunk counts 1, 2, 3 and 7, dropout and drop-path
 dropout draws exactly the whole branch's masks; the top block's outputs are left alone; a block
 that cannot split is refused by name."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -396,6 +398,61 @@ def test_bad_chunking_is_refused_clearly():
         pareprop.set_chunking(model, max_bytes="12 parsecs")
     assert model.stack.chunking is None
     assert "chunks=3" in repr(pareprop.set_chunking(model, chunks=3).stack)
+
+
+BAD_SIZE = "expected a memory size such as 80GiB, 80GB, 256MiB or 8e10 (bytes), got 'lots'"
+
+
+def _count_parses(monkeypatch):
+    """Every chunk size parsed (parse_chunking reaches parse_bytes through its module)."""
+    calls = []
+    real = chunk_cost.parse_bytes
+    monkeypatch.setattr(chunk_cost, "parse_bytes", lambda text: calls.append(text) or real(text))
+    return calls
+
+
+def test_a_chunk_size_is_parsed_once_where_it_enters(monkeypatch, tmp_path, capsys):
+    # NOTE [ Chunk sizes are parsed at the edge ]: one parse per entry point, the inner layers
+    # take the Chunking (and refuse anything else), and a bad size is refused in one line.
+    from pareprop.cli import main
+    from pareprop.cli.train import resolve_config
+    from pareprop.engine import apply_chunking
+    from pareprop.memory import plan as memory_plan
+    from pareprop.memory.sweep import plan_sweep
+
+    model = _model("mvit")  # two stacks: the size was parsed once per stack, and once more
+    calls = _count_parses(monkeypatch)
+    pareprop.set_chunking(model, max_bytes="1MiB")
+    assert calls == ["1MiB"]
+    assert {s.chunking for _, s in pareprop.engine.stacks_of(model)} == {
+        chunk_cost.Chunking(max_bytes=2**20)}
+    with pytest.raises(TypeError, match="expected a Chunking or None"):
+        apply_chunking(model, "1MiB")
+    with pytest.raises(ValueError, match=re.escape(BAD_SIZE)):
+        pareprop.set_chunking(model, max_bytes="lots")
+
+    # the trainer's config: parsed once, saved as given
+    cfg = resolve_config(["--chunk-bytes", "16KiB"])
+    assert (cfg.chunking, cfg.chunk_bytes) == (chunk_cost.Chunking(max_bytes=16 * 2**10), "16KiB")
+    assert "chunking" not in __import__("dataclasses").asdict(cfg)
+    with pytest.raises(ValueError, match=re.escape(BAD_SIZE)):
+        resolve_config(["--chunk-bytes", "lots"])
+
+    # the planner: plan_sweep parses once; every traced model gets the Chunking
+    seen = []
+    monkeypatch.setattr(memory_plan, "apply_chunking",
+                        lambda m, c: seen.append(c) or apply_chunking(m, c))
+    calls.clear()
+    torch.set_default_dtype(torch.float32)  # planned as trained (the fixture puts it back)
+    plan_sweep(["rev_vit_tiny_patch4_32"], ["reversible"], [2, 3], device="cpu", depth=2,
+               chunk_bytes="1MiB")
+    assert calls == ["1MiB"] and seen == [chunk_cost.Chunking(max_bytes=2**20)] * 2
+    for argv in (["plan", "--models", "rev_vit_tiny_patch4_32", "--device", "cpu",
+                  "--batch-sizes", "2", "--out", str(tmp_path)],
+                 ["train", "--out", str(tmp_path / "run"), "--max-steps", "1"]):
+        capsys.readouterr()
+        assert main([*argv, "--chunk-bytes", "lots"]) == 2
+        assert capsys.readouterr().err == f"pareprop {argv[0]}: error: {BAD_SIZE}\n"
 
 
 @pytest.mark.parametrize("count", [1, 3])

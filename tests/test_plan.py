@@ -156,6 +156,16 @@ def test_plan_cli_coupling_reaches_the_converted_models_only(tmp_path, capsys):
     assert "--coupling ALPHA BETA" in _help(capsys)
 
 
+def test_plan_reports_the_coupling_the_model_was_built_at():
+    # Read from the built model: the catalog's default for converted:SOURCE, or the override.
+    kw = dict(depth=3, img_size=32, device="cpu")
+    assert plan_memory("converted:vit_small_patch16_224", 2, "reversible", **kw).coupling == (
+        0.0, 1.0)
+    assert plan_memory("converted:vit_small_patch16_224", 2, "reversible", coupling=(0.5, 0.5),
+                       **kw).coupling == (0.5, 0.5)
+    assert plan_memory("vit_small_patch16_224", 2, "plain", **kw).coupling is None
+
+
 def _help(capsys):
     capsys.readouterr()
     assert main(["plan", "--help"]) == 0

@@ -23,7 +23,8 @@ from pareprop.bench.cpu_memory import _can_reset_rss, _free_memory, _reset_rss_p
 from pareprop.bench.fields import RECORD_FIELDS, REVERSIBLE_ENGINES
 from pareprop.bench.gradcheck import grad_rel_err
 from pareprop.catalog import ModelRequest, build_model, example_inputs, model_depth, model_facts
-from pareprop.engine import chosen_schedule, set_chunking, stacks_of
+from pareprop.engine import apply_chunking, chosen_schedule, stacks_of
+from pareprop.engine.chunk_cost import parse_chunking
 from pareprop.engine.compile import compile_blocks
 from pareprop.memory import activation_bytes, plan_memory, set_memory_budget
 
@@ -54,6 +55,12 @@ class _Job:
     compile: bool = False  # pareprop.compile_blocks before the warm-up steps
     grad_checkpointing: bool = False  # model.set_grad_checkpointing() (reversible models)
     chunk_bytes: int | str | None = None  # pareprop.set_chunking(max_bytes=...) (reversible)
+
+    def __post_init__(self) -> None:
+        # Parsed once, as the job is made (here or in its isolated process, which gets the
+        # fields as JSON); ``chunk_bytes`` stays as given, the form the record keeps (NOTE
+        # [ Chunk sizes are parsed at the edge ] in engine/stack.py).
+        self.chunking = parse_chunking(max_bytes=self.chunk_bytes)
 
     def request(self) -> ModelRequest:
         """The model this configuration measures, as the catalog builds it."""
@@ -241,7 +248,7 @@ def _setup(job: _Job, device: torch.device, out: Dict[str, Any]):
     request = job.request()
     torch.manual_seed(job.seed)
     model = build_model(request, facts).to(device).train()
-    set_chunking(model, max_bytes=job.chunk_bytes)
+    apply_chunking(model, job.chunking)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["depth"] = job.depth if job.depth is not None else model_depth(model)
     inputs = example_inputs(model, request, job.batch_size, device, facts)
@@ -389,7 +396,7 @@ def _planned_peak(job: _Job, device: torch.device) -> int | None:
             job.model, job.batch_size, job.engine, amp=job.amp, device=device.type,
             num_classes=job.num_classes, img_size=job.img_size, depth=job.depth,
             seq_len=job.seq_len, seed=job.seed, memory_budget=job.memory_budget,
-            grad_checkpointing=job.grad_checkpointing, chunk_bytes=job.chunk_bytes,
+            grad_checkpointing=job.grad_checkpointing, chunk_bytes=job.chunking,
             **job.model_overrides,
         )
     except Exception:  # noqa: BLE001 - see the docstring

@@ -35,7 +35,8 @@ package, one concern a module, each importing only those above it here:
 * ``graphs``: a stack's training forward and backward captured as CUDA graphs and replayed
   (``pareprop.set_engine(..., cuda_graphs=True)``, for host-bound small batches);
 * ``stack``: :class:`ReversibleStack` and the functions that configure every stack of a model
-  (:func:`set_stack_engine`, :func:`set_chunking`, ...), :func:`stacks_of`, :func:`engine_of`;
+  (:func:`set_stack_engine`, :func:`set_chunking`, :func:`apply_chunking`, ...),
+  :func:`stacks_of`, :func:`engine_of`;
 * ``compile``: ``torch.compile`` of every block's branches (:func:`pareprop.compile_blocks`);
 * ``recompute``: activation checkpointing of the blocks that are not reversible (timm's
   ``set_grad_checkpointing``), whole or in chunks, measured as the engine measures a branch.
@@ -47,6 +48,7 @@ from pareprop.engine.sharding import BlockSharding
 from pareprop.engine.stack import (
     ENGINES,
     ReversibleStack,
+    apply_chunking,
     chosen_schedule,
     debug_reconstruction,
     engine_of,
@@ -65,6 +67,7 @@ __all__ = [
     "stacks_of",
     "engine_of",
     "set_chunking",
+    "apply_chunking",
     "set_block_checkpointing",
     "debug_reconstruction",
     "chosen_schedule",

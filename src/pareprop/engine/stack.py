@@ -192,7 +192,11 @@ class ReversibleStack(nn.Module):
         would leave it as it is). With neither argument every branch runs whole again.
         Gradients are unchanged; see NOTE [ Chunked backward ] in chunked.py. The same
         keywords as :func:`pareprop.set_chunking`."""
-        chunking = parse_chunking(chunks, max_bytes)
+        return self.apply_chunking(parse_chunking(chunks, max_bytes))
+
+    def apply_chunking(self, chunking: Optional[Chunking]) -> "ReversibleStack":
+        """:meth:`set_chunking` with the chunking already parsed (None: whole branches)."""
+        _check_chunking(chunking)
         if chunking is not None:
             _check_splits(self)
         # The measured chunk costs stay: they depend on the blocks and the input, not on this.
@@ -527,13 +531,35 @@ def set_chunking(
     (:meth:`ReversibleStack.set_chunking`, the same keywords): the fewest chunks whose graph
     saves at most ``max_bytes``, or ``chunks`` per branch; neither turns chunking off. Returns
     ``module``."""
+    return apply_chunking(module, parse_chunking(chunks, max_bytes))
+
+
+# NOTE [ Chunk sizes are parsed at the edge ]
+# A chunk size arrives as a count, bytes, "256MiB" or (for a plan) "auto", from the command
+# line, a run's config or a Python call. Each of those entry points parses it once, into a
+# Chunking (pareprop.engine.chunk_cost.parse_chunking: the one message for a bad size), and
+# everything past it (the stacks, the trainer's setup, the planner's traced model) takes only
+# that object: a size is never parsed again, and a layer cannot be handed text it would read
+# differently. A run's config keeps the size as given (its saved form) beside the parsed one.
+
+
+def apply_chunking(module: nn.Module, chunking: Optional[Chunking]) -> nn.Module:
+    """:func:`set_chunking` with the chunking already parsed (NOTE [ Chunk sizes are parsed at
+    the edge ]); None runs every branch whole. Returns ``module``."""
+    _check_chunking(chunking)
     # Checked once, before any stack changes.
-    if parse_chunking(chunks, max_bytes) is not None:
+    if chunking is not None:
         for path, m in stacks_of(module):
             _check_splits(m, path)
     for _, m in stacks_of(module):
-        m.set_chunking(chunks=chunks, max_bytes=max_bytes)
+        m.chunking = chunking
     return module
+
+
+def _check_chunking(chunking: Any) -> None:
+    if chunking is not None and not isinstance(chunking, Chunking):
+        raise TypeError(
+            f"expected a Chunking or None (parse a size with parse_chunking), got {chunking!r}")
 
 
 def _check_splits(stack: ReversibleStack, path: str = "") -> None:

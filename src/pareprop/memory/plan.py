@@ -23,7 +23,7 @@ NOTE [ Planning under FakeTensorMode ]
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -40,8 +40,8 @@ from pareprop.catalog import (
     model_facts,
     model_source,
 )
-from pareprop.engine import set_chunking
-from pareprop.engine.chunk_cost import tracing_distinct_chunks
+from pareprop.engine import apply_chunking
+from pareprop.engine.chunk_cost import Chunking, parse_chunking, tracing_distinct_chunks
 from pareprop.memory.budget import set_memory_budget
 from pareprop.memory.detection import is_detector_name, plan_detector
 from pareprop.memory.fake_modes import cpu_linspace, planning_values
@@ -54,9 +54,8 @@ from pareprop.memory.step import (
     create_optimizer_state,
     make_optimizer,
 )
-from pareprop.memory.units import parse_memory
 
-__all__ = ["plan_memory", "largest_batch", "MAX_BATCH"]
+__all__ = ["plan_memory", "largest_batch", "plan_chunking", "MAX_BATCH"]
 
 MAX_BATCH = 2**20  # the largest-batch search stops here
 
@@ -143,7 +142,8 @@ def plan_memory(
             under activation checkpointing (``model.set_grad_checkpointing()``; for timm's
             models that is engine ``checkpointed``).
         chunk_bytes: for ``reversible`` and ``pareprop``: ``None`` (whole branches), a chunk
-            size (bytes or ``"256MiB"``: ``pareprop.set_chunking(model, max_bytes=...)``), or
+            size (bytes, ``"256MiB"`` or a ``Chunking`` by bytes:
+            ``pareprop.set_chunking(model, max_bytes=...)``), or
             ``"auto"``: the chunk size whose plan has the lowest peak (NOTE [ Choosing the
             chunk size ]); the report's ``chunk_bytes`` says which.
         **overrides: ``img_size``, ``depth`` (total blocks; staged models change their deepest
@@ -173,11 +173,11 @@ def plan_memory(
             f"chunk_bytes chunks the branches of a reversible engine's backward; engine "
             f"{engine!r} has none (use reversible or pareprop, or chunk_bytes=None)"
         )
-    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+    chunking = plan_chunking(chunk_bytes)
+    if chunking == "auto":
         return _plan_auto_chunks(
             name, batch_size, engine, amp=amp, optimizer=optimizer, device=device,
             memory_budget=memory_budget, grad_checkpointing=grad_checkpointing, **overrides)
-    size = None if chunk_bytes is None else parse_memory(chunk_bytes)
     if memory_budget is not None and engine not in REVERSIBLE_ENGINES:
         raise ValueError(
             f"a memory budget chooses stored blocks of a reversible engine; engine {engine!r} "
@@ -201,14 +201,41 @@ def plan_memory(
         create_optimizer_state(model, opt)
         if memory_budget is not None:
             _store_for_budget(model, inputs, memory_budget, engine, dtype)
-        set_chunking(model, max_bytes=size)
+        apply_chunking(model, chunking)
         # Each chunked branch traces only its distinct chunks: the same peak, in a fraction of
         # the time (NOTE [ Planning a chunked branch from its distinct chunks ]).
         with planning_values(), tracing_distinct_chunks():
             counts, peak = tracked_peak(model, inputs, opt, dtype)
     return MemoryReport(**counts, peak=peak, model=name, engine=engine, batch_size=batch_size,
                         amp=amp_label(dtype), device=str(device), method="tracked_fake",
-                        grad_checkpointing=request.grad_checkpointing, chunk_bytes=size)
+                        grad_checkpointing=request.grad_checkpointing,
+                        chunk_bytes=None if chunking is None else chunking.max_bytes,
+                        coupling=_coupling_built(model, name))
+
+
+def _coupling_built(model: nn.Module, name: str) -> Optional[Tuple[float, float]]:
+    """The coupling the model was built at, read from it rather than from the catalog's
+    default (a converted model keeps it as ``model.coupling``); None for other models."""
+    coupling = getattr(model, "coupling", None) if is_converted(name) else None
+    return None if coupling is None else (float(coupling[0]), float(coupling[1]))
+
+
+def plan_chunking(chunk_bytes: Any) -> Union[Chunking, str, None]:
+    """A plan's ``chunk_bytes`` parsed once, where it enters (NOTE [ Chunk sizes are parsed at
+    the edge ] in engine/stack.py): ``None`` (whole branches), ``"auto"``, or a
+    :class:`Chunking` by bytes from bytes, ``"256MiB"`` or a :class:`Chunking` by bytes."""
+    if isinstance(chunk_bytes, Chunking):
+        if chunk_bytes.max_bytes is None:
+            raise ValueError(f"expected a chunk size in bytes or 'auto', got {chunk_bytes!r}")
+        return chunk_bytes
+    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+        return "auto"
+    return parse_chunking(max_bytes=chunk_bytes)
+
+
+def _by_bytes(size: Optional[int]) -> Optional[Chunking]:
+    """One of :func:`_auto_sizes` as a chunking (None: whole branches)."""
+    return None if size is None else Chunking(max_bytes=size)
 
 
 def _plan_auto_chunks(name: str, batch_size: int, engine: str, **kwargs: Any) -> MemoryReport:
@@ -216,7 +243,8 @@ def _plan_auto_chunks(name: str, batch_size: int, engine: str, **kwargs: Any) ->
     whole = plan_memory(name, batch_size, engine, **kwargs)
     plans = [whole]  # largest chunk first: whole branches, then smaller and smaller chunks
     for size in _auto_sizes(_stream_bytes(whole))[1:]:
-        plans.append(plan_memory(name, batch_size, engine, chunk_bytes=size, **kwargs))
+        plans.append(plan_memory(name, batch_size, engine, chunk_bytes=_by_bytes(size),
+                                 **kwargs))
     return plans[_auto_choice([p.peak for p in plans])]
 
 
@@ -274,8 +302,9 @@ def largest_batch(
     """
     if memory_bytes <= 0:
         raise ValueError(f"expected a positive memory size, got {memory_bytes}")
-    chunk_bytes = plan_kwargs.get("chunk_bytes")
-    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+    if plan_kwargs.get("chunk_bytes") is not None:
+        plan_kwargs["chunk_bytes"] = plan_chunking(plan_kwargs["chunk_bytes"])  # parsed once
+    if plan_kwargs.get("chunk_bytes") == "auto":
         kwargs = {k: v for k, v in plan_kwargs.items() if k != "chunk_bytes"}
         return _largest_batch_auto(name, engine, memory_bytes, max(1, int(start)), **kwargs)
     reports: Dict[int, MemoryReport] = {}
@@ -390,7 +419,7 @@ def _largest_batch_auto(name: str, engine: str, memory_bytes: int, first: int,
     def plan(bs: int, i: int) -> MemoryReport:
         if (bs, i) not in plans:
             size = _auto_sizes(stream * bs // first)[i]  # streams grow with the batch exactly
-            plans[(bs, i)] = plan_memory(name, bs, engine, chunk_bytes=size, **kwargs)
+            plans[(bs, i)] = plan_memory(name, bs, engine, chunk_bytes=_by_bytes(size), **kwargs)
         return plans[(bs, i)]
 
     def choose(bs: int) -> int:

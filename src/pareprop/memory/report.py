@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["MemoryReport", "BYTE_FIELDS"]
 
@@ -50,6 +50,7 @@ class MemoryReport:
         split: detectors only: the bytes alive at the peak by part (``inputs``, ``backbone``,
             ``pyramid``, ``heads``, ``optimizer``), summing to ``peak`` (NOTE [ The peak split
             of a detector ] in memory/detection.py); None for other models.
+        coupling: a converted model's ``(alpha, beta)`` as built; None for other models.
     """
 
     parameters: int
@@ -68,6 +69,7 @@ class MemoryReport:
     floor: int = 0
     chunk_bytes: Optional[int] = None
     split: Optional[Dict[str, int]] = None
+    coupling: Optional[Tuple[float, float]] = None
 
     @property
     def transient(self) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pareprop.catalog import (
-    CONVERTED_COUPLING,
     REVERSIBLE_ENGINES,
-    converted_source,
     engine_budgets,
     engine_label,
     engines_for,
@@ -15,7 +13,7 @@ from pareprop.catalog import (
     model_facts,
 )
 from pareprop.memory.detection import DETECTOR_ENGINES, SPLIT_PARTS, is_detector_name
-from pareprop.memory.plan import largest_batch, plan_memory
+from pareprop.memory.plan import largest_batch, plan_chunking, plan_memory
 from pareprop.memory.report import BYTE_FIELDS
 
 __all__ = ["plan_sweep", "format_plan", "PLAN_FIELDS"]
@@ -64,11 +62,12 @@ def plan_sweep(
     Returns:
         ``{"memory_bytes", "records": [...], "largest_batch": [{"model", "engine",
         "memory_budget", "largest_batch", "peak"}]}``; records carry :data:`PLAN_FIELDS`
-        (``coupling``: the converted model's ``[alpha, beta]``; ``None`` for other models, and
-        for registered converted models planned at their own default).
+        (``coupling``: the converted model's ``[alpha, beta]``, read from the model planned;
+        ``None`` for other models).
     """
     if img_size is not None:
         overrides["img_size"] = img_size
+    chunking = plan_chunking(chunk_bytes)  # a bad size is refused before any model is planned
     records: List[Dict[str, Any]] = []
     largest: List[Dict[str, Any]] = []
     for name in models:
@@ -81,12 +80,10 @@ def plan_sweep(
         own = dict(overrides)
         if coupling is not None and is_converted(name):
             own["coupling"] = tuple(float(c) for c in coupling)
-        planned = None if detector else own.get(
-            "coupling", CONVERTED_COUPLING if converted_source(name) else None)
         for engine, budget in engine_budgets(mine, [None] if detector else memory_budgets):
             gc = grad_checkpointing and (engine in REVERSIBLE_ENGINES if detector
                                          else model_facts(name).reversible)
-            chunked = chunk_bytes if engine in REVERSIBLE_ENGINES else None
+            chunked = chunking if engine in REVERSIBLE_ENGINES else None
             kw = dict(amp=amp, device=device, memory_budget=budget, grad_checkpointing=gc,
                       chunk_bytes=chunked, **own)
             reports = {bs: plan_memory(name, bs, engine, **kw) for bs in sorted(set(batch_sizes))}
@@ -103,8 +100,9 @@ def plan_sweep(
                                 "chunk_bytes": at.chunk_bytes if at is not None else None})
             for bs in sorted(reports):
                 d = reports[bs].to_dict()
+                coupling = reports[bs].coupling  # read from the model planned
                 d.update(img_size=img_size, memory_budget=budget,
-                         coupling=None if planned is None else list(planned),
+                         coupling=None if coupling is None else list(coupling),
                          fits=reports[bs].fits(memory_bytes))
                 records.append({k: d.get(k) for k in PLAN_FIELDS})
     return {"memory_bytes": memory_bytes, "records": records, "largest_batch": largest}

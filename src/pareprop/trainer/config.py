@@ -159,19 +159,20 @@ class TrainConfig:
             )
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)  # refuse a bad budget before anything runs
-        if self.chunk_bytes is not None:
-            if str(self.chunk_bytes).strip().lower() == "auto":
-                raise ValueError(
-                    "--chunk-bytes auto is a planning choice: run pareprop plan --chunk-bytes auto "
-                    "and give train the chunk size it reports (e.g. --chunk-bytes 256MiB)"
-                )
-            parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused here
-            if self.engine == "autograd" and self.resume is None:
-                raise ValueError(
-                    f"--chunk-bytes {self.chunk_bytes} chunks the recomputation of the "
-                    f"reversible engines, and --engine {self.engine} recomputes nothing: use "
-                    "--engine reversible or pareprop, or drop --chunk-bytes"
-                )
+        if self.chunk_bytes is not None and str(self.chunk_bytes).strip().lower() == "auto":
+            raise ValueError(
+                "--chunk-bytes auto is a planning choice: run pareprop plan --chunk-bytes auto "
+                "and give train the chunk size it reports (e.g. --chunk-bytes 256MiB)"
+            )
+        # Parsed once, here (NOTE [ Chunk sizes are parsed at the edge ] in engine/stack.py):
+        # the run's setup takes ``chunking``; ``chunk_bytes`` stays as given, the saved form.
+        self.chunking = parse_chunking(max_bytes=self.chunk_bytes)  # a bad size is refused
+        if self.chunking is not None and self.engine == "autograd" and self.resume is None:
+            raise ValueError(
+                f"--chunk-bytes {self.chunk_bytes} chunks the recomputation of the "
+                f"reversible engines, and --engine {self.engine} recomputes nothing: use "
+                "--engine reversible or pareprop, or drop --chunk-bytes"
+            )
         if self.workers < 0:
             raise ValueError(f"expected workers >= 0, got {self.workers}")
         if not 0 <= self.seed <= MAX_SEED:

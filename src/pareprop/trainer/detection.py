@@ -36,7 +36,7 @@ from pareprop.data.coco import collate_detection
 from pareprop.detection import create_detector, detector_from_spec, parse_detector_name
 from pareprop.detection.coco_eval import evaluate_detections
 from pareprop.detection.visualize import save_predictions
-from pareprop.engine import set_chunking
+from pareprop.engine import apply_chunking
 from pareprop.engine.compile import compile_blocks
 from pareprop.evaluate_detection import (
     detection_data_config,
@@ -130,7 +130,7 @@ class DetectionSetup(RunSetup):
                 raise ValueError(f"--grad-checkpointing: the backbone of {cfg.model} has no "
                                  "blocks to checkpoint; drop --grad-checkpointing")
             backbone.set_grad_checkpointing(True)
-        set_chunking(model, max_bytes=cfg.chunk_bytes)
+        apply_chunking(model, cfg.chunking)
         if cfg.compile:
             compile_blocks(model)
         if self.dist.rank > 0:

@@ -36,7 +36,7 @@ from pareprop.data import (
     video_data_config,
 )
 from pareprop.distributed.fsdp import fsdp_available
-from pareprop.engine import ENGINES, set_chunking
+from pareprop.engine import ENGINES, apply_chunking
 from pareprop.engine.compile import compile_blocks
 from pareprop.memory.budget import parse_budget, set_memory_budget
 from pareprop.models import create_model
@@ -208,7 +208,7 @@ class RunSetup:
             self.memory_plan = self._apply_memory_budget(model)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
-        set_chunking(model, max_bytes=cfg.chunk_bytes)
+        apply_chunking(model, cfg.chunking)
         if cfg.compile:
             compile_blocks(model)
         # Each process draws its own augmentation and dropout; process 0 matches a
