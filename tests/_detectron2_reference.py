@@ -13,6 +13,7 @@ activation checkpointing, no ``avg`` fusion.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -500,6 +501,20 @@ def write_zoo_pickle(path, backbone_state, heads=None):
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def zoo_file_outputs(tmp_path, reference: nn.Module, load, x: torch.Tensor):
+    """``reference`` written as a model-zoo file and read back by ``load(path)``, which must find
+    every tensor in it; then both run on ``x`` in eval mode without gradients.
+
+    Returns:
+        The loaded model, the reference's pyramid and the model's.
+    """
+    path = write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
+    model = load(os.fspath(path)).eval()
+    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
+    with torch.no_grad():
+        return model, reference.eval()(x), model(x)
 
 
 def check_pyramid(got, want, shapes, tol: float) -> None:

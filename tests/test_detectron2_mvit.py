@@ -42,15 +42,11 @@ def _engine_errors(model, x):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_equals_detectron2_at_1_0_from_a_zoo_file(tmp_path, dtype, tol):
-    reference = _reference(dtype).eval()
-    path = ref.write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
-    model = _ours(os.fspath(path), dtype=dtype).eval()
-    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
+    model, want, got = ref.zoo_file_outputs(tmp_path, _reference(dtype),
+                                            lambda path: _ours(path, dtype=dtype),
+                                            _images(dtype=dtype))
     # stage 2 one stack of two blocks; stage 3 a kept transition and a stack; 4 and 5 kept
     assert [len(s.blocks) for s in model.stacks()] == [2, 1]
-    x = _images(dtype=dtype)
-    with torch.no_grad():
-        want, got = reference(x), model(x)
     assert model.out_channels == 256
     ref.check_pyramid(got, want, [(16, 24), (8, 12), (4, 6), (2, 3), (1, 2)], tol)
 

@@ -39,13 +39,9 @@ def _ours(state, dtype=torch.float64, **kw):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_equals_detectron2_at_1_0_from_a_zoo_file(tmp_path, dtype, tol):
-    reference = _reference(dtype).eval()
-    path = ref.write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
-    model = _ours(os.fspath(path), dtype=dtype).eval()
-    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
-    x = _images(dtype=dtype)
-    with torch.no_grad():
-        want, got = reference(x), model(x)
+    model, want, got = ref.zoo_file_outputs(tmp_path, _reference(dtype),
+                                            lambda path: _ours(path, dtype=dtype),
+                                            _images(dtype=dtype))
     assert model.out_channels == 256
     ref.check_pyramid(got, want, [(24, 28), (12, 14), (6, 7), (3, 3), (2, 2)], tol)
 
