@@ -13,6 +13,7 @@ activation checkpointing, no ``avg`` fusion.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -492,3 +493,58 @@ def write_zoo_pickle(path, backbone_state, heads=None):
         pickle.dump({"model": model, "__author__": "pareprop tests", "matching_heuristics": False},
                     f)
     return path
+
+
+# -- comparisons the backbones' tests share ---------------------------------------------------
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def zoo_file_outputs(tmp_path, reference: nn.Module, load, x: torch.Tensor):
+    """``reference`` written as a model-zoo file and read back by ``load(path)``, which must find
+    every tensor in it; then both run on ``x`` in eval mode without gradients.
+
+    Returns:
+        The loaded model, the reference's pyramid and the model's.
+    """
+    path = write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
+    model = load(os.fspath(path)).eval()
+    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
+    with torch.no_grad():
+        return model, reference.eval()(x), model(x)
+
+
+def check_pyramid(got, want, shapes, tol: float) -> None:
+    """``got`` is pareprop's pyramid (levels ``p2`` .. ``p6`` of the given sizes), within
+    ``tol`` of the reference's ``want`` at every level."""
+    assert list(got) == ["p2", "p3", "p4", "p5", "p6"]
+    assert [tuple(v.shape[-2:]) for v in got.values()] == shapes
+    for name in want:
+        assert relative(got[name], want[name]) < tol, name
+
+
+def training_step_grads(reference: nn.Module, model: nn.Module, x: torch.Tensor, seed: int = 5):
+    """One training step of ``reference`` and of ``model`` on ``x``, each from ``seed`` (so that
+    drop-path draws the same masks in the same order), their outputs checked equal to 1e-10.
+
+    Returns:
+        ``{name: (model's gradient, reference's gradient)}`` for every reference parameter,
+        by detectron2's name (the model's state-dict name).
+    """
+    outputs = []
+    for net in (reference, model):
+        torch.manual_seed(seed)
+        out = net(x)
+        loss = sum((v * torch.linspace(-1, 1, v.numel(), dtype=v.dtype).view_as(v)).sum()
+                   for v in out.values())
+        loss.backward()
+        outputs.append(out)
+    for name in outputs[0]:
+        assert relative(outputs[1][name], outputs[0][name]) < 1e-10, name
+    theirs = dict(reference.named_parameters())
+    ours = {n: p for n, p in model.state_dict(keep_vars=True).items() if n in theirs}
+    assert set(ours) == set(theirs)
+    return {name: (ours[name].grad, p.grad) for name, p in theirs.items()}

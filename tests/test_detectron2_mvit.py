@@ -34,10 +34,6 @@ def _ours(state, dtype=torch.float64, **kw):
     return from_detectron2(state, "mvitv2_t", dtype=dtype, **{**TINY, **kw})
 
 
-def _relative(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _engine_errors(model, x):
     # The key norm's bias gets no gradient (softmax ignores a shift shared by every key): its
     # reference is rounding noise, measured against the largest gradient instead.
@@ -46,20 +42,13 @@ def _engine_errors(model, x):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_equals_detectron2_at_1_0_from_a_zoo_file(tmp_path, dtype, tol):
-    reference = _reference(dtype).eval()
-    path = ref.write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
-    model = _ours(os.fspath(path), dtype=dtype).eval()
-    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
+    model, want, got = ref.zoo_file_outputs(tmp_path, _reference(dtype),
+                                            lambda path: _ours(path, dtype=dtype),
+                                            _images(dtype=dtype))
     # stage 2 one stack of two blocks; stage 3 a kept transition and a stack; 4 and 5 kept
     assert [len(s.blocks) for s in model.stacks()] == [2, 1]
-    x = _images(dtype=dtype)
-    with torch.no_grad():
-        want, got = reference(x), model(x)
-    assert list(got) == ["p2", "p3", "p4", "p5", "p6"] and model.out_channels == 256
-    assert [tuple(v.shape[-2:]) for v in got.values()] == [(16, 24), (8, 12), (4, 6), (2, 3),
-                                                           (1, 2)]
-    for name in want:
-        assert _relative(got[name], want[name]) < tol, name
+    assert model.out_channels == 256
+    ref.check_pyramid(got, want, [(16, 24), (8, 12), (4, 6), (2, 3), (1, 2)], tol)
 
 
 @pytest.mark.parametrize("engine", ["autograd", "reversible", "pareprop"])
@@ -68,23 +57,12 @@ def test_training_step_at_1_0_equals_detectron2_under_every_engine(engine):
     model = _ours(reference.state_dict(), engine=engine, drop_path_rate=0.3).train()
     model.set_grad_checkpointing()  # the kept blocks too: their recomputation draws the same
     x = _images()
-    outputs = []
-    for net in (reference, model):
-        torch.manual_seed(5)
-        out = net(x)
-        loss = sum((v * torch.linspace(-1, 1, v.numel(), dtype=v.dtype).view_as(v)).sum()
-                   for v in out.values())
-        loss.backward()
-        outputs.append(out)
-    for name in outputs[0]:
-        assert _relative(outputs[1][name], outputs[0][name]) < 1e-10, name
-    theirs = dict(reference.named_parameters())
-    ours = {n: p for n, p in model.state_dict(keep_vars=True).items() if n in theirs}
-    assert set(ours) == set(theirs)
-    largest = max(p.grad.norm() for p in theirs.values())
-    for name, p in theirs.items():  # norm_k's bias: rounding noise against the largest
-        norm = p.grad.norm()
-        err = (ours[name].grad - p.grad).norm() / (norm if norm >= 1e-8 * largest else largest)
+    grads = ref.training_step_grads(reference, model, x)
+    largest = max(theirs.norm() for _, theirs in grads.values())
+    # norm_k's bias: rounding noise, measured against the largest gradient
+    for name, (ours, theirs) in grads.items():
+        norm = theirs.norm()
+        err = (ours - theirs).norm() / (norm if norm >= 1e-8 * largest else largest)
         assert err < 1e-10, name
 
 

@@ -37,24 +37,13 @@ def _ours(state, dtype=torch.float64, **kw):
     return from_detectron2(state, "vitdet_b", dtype=dtype, **args)
 
 
-def _relative(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_equals_detectron2_at_1_0_from_a_zoo_file(tmp_path, dtype, tol):
-    reference = _reference(dtype).eval()
-    path = ref.write_zoo_pickle(tmp_path / "model_final.pkl", reference.state_dict())
-    model = _ours(os.fspath(path), dtype=dtype).eval()
-    assert model.load_report.layout == "zoo" and not model.load_report.left_at_init
-    x = _images(dtype=dtype)
-    with torch.no_grad():
-        want, got = reference(x), model(x)
-    assert list(got) == ["p2", "p3", "p4", "p5", "p6"] and model.out_channels == 256
-    assert [tuple(v.shape[-2:]) for v in got.values()] == [(24, 28), (12, 14), (6, 7), (3, 3),
-                                                           (2, 2)]
-    for name in want:
-        assert _relative(got[name], want[name]) < tol, name
+    model, want, got = ref.zoo_file_outputs(tmp_path, _reference(dtype),
+                                            lambda path: _ours(path, dtype=dtype),
+                                            _images(dtype=dtype))
+    assert model.out_channels == 256
+    ref.check_pyramid(got, want, [(24, 28), (12, 14), (6, 7), (3, 3), (2, 2)], tol)
 
 
 @pytest.mark.parametrize("engine", ["autograd", "reversible", "pareprop"])
@@ -63,21 +52,9 @@ def test_training_step_at_1_0_equals_detectron2_under_every_engine(engine):
     reference = _reference(drop_path_rate=0.3).train()
     model = _ours(reference.state_dict(), engine=engine, drop_path_rate=0.3).train()
     x = _images()
-    outputs = []
-    for net in (reference, model):
-        torch.manual_seed(5)
-        out = net(x)
-        loss = sum((v * torch.linspace(-1, 1, v.numel(), dtype=v.dtype).view_as(v)).sum()
-                   for v in out.values())
-        loss.backward()
-        outputs.append(out)
-    for name in outputs[0]:
-        assert _relative(outputs[1][name], outputs[0][name]) < 1e-10, name
-    theirs = dict(reference.named_parameters())
-    ours = {n: p for n, p in model.state_dict(keep_vars=True).items() if n in theirs}
-    assert set(ours) == set(theirs)
-    for name, p in theirs.items():
-        assert _relative(ours[name].grad, p.grad) < 1e-10, name
+    grads = ref.training_step_grads(reference, model, x)
+    for name, (ours, theirs) in grads.items():
+        assert ref.relative(ours, theirs) < 1e-10, name
 
 
 @pytest.mark.parametrize("coupling", [(0.0, 1.0), (0.3, 0.5)])

@@ -172,6 +172,16 @@ def _fixed_size(body: nn.Module) -> Optional[Tuple[int, int]]:
     return tuple(cfg["input_size"][-2:])  # type: ignore[return-value]
 
 
+def _own_args(backbone_args: Optional[Dict[str, Any]], reserved: Tuple[str, ...]
+              ) -> Dict[str, Any]:
+    """A copy of ``backbone_args``, refusing the keywords the builder itself passes."""
+    args = dict(backbone_args or {})
+    for key in reserved:
+        if key in args:
+            raise ValueError(f"backbone_args may not set {key!r}: the detector sets it")
+    return args
+
+
 def build_pareprop_backbone(
     name: str,
     engine: str = "reversible",
@@ -191,10 +201,7 @@ def build_pareprop_backbone(
             ``img_size``, ``window_size``...).
         fpn_channels: width of every pyramid level.
     """
-    args = dict(backbone_args or {})
-    for key in ("num_classes", "engine"):
-        if key in args:
-            raise ValueError(f"backbone_args may not set {key!r}: the detector sets it")
+    args = _own_args(backbone_args, ("num_classes", "engine"))
     body = create_model(name, num_classes=0, engine=engine, pretrained=pretrained_backbone, **args)
     if pretrained_file is not None:
         load_pretrained(body, pretrained_file)
@@ -241,10 +248,7 @@ def build_converted_backbone(
     """
     if pretrained_backbone and pretrained_file is not None:
         raise ValueError("expected pretrained_backbone=True or a pretrained_file, not both")
-    args = dict(backbone_args or {})
-    for key in ("num_classes", "engine", "source", "pretrained_file"):
-        if key in args:
-            raise ValueError(f"backbone_args may not set {key!r}: the detector sets it")
+    args = _own_args(backbone_args, ("num_classes", "engine", "source", "pretrained_file"))
     body = create_model(
         converted_model_name(source), source=source, pretrained_file=pretrained_file,
         engine=engine, num_classes=0, **args,

@@ -56,6 +56,13 @@ def _box_head_layout(own: Mapping[str, torch.Tensor]) -> Tuple[int, bool]:
     return len(convs), "roi_heads.box_head.fc6.weight" in own
 
 
+def _conv_norm(prefix: str, m: "re.Match[str]") -> str:
+    """A detectron2 ``Conv2d(norm=...)`` tensor (``conv{n}.weight``, ``conv{n}.norm.bias``,
+    numbered from 1) in torchvision's ``Conv2dNormActivation`` (``{n - 1}.0.weight``,
+    ``{n - 1}.1.bias``); ``m``'s groups: the number, ``norm.`` or None, the tensor."""
+    return f"{prefix}.{int(m.group(1)) - 1}.{1 if m.group(2) else 0}.{m.group(3)}"
+
+
 def _target(name: str, own: Mapping[str, torch.Tensor]) -> Optional[str]:
     """torchvision's name for detectron2's head tensor ``name`` (None: no counterpart)."""
     rpn = re.match(r"proposal_generator\.rpn_head\.(.+)$", name)
@@ -73,7 +80,7 @@ def _target(name: str, own: Mapping[str, torch.Tensor]) -> Optional[str]:
     convs, two_mlp = _box_head_layout(own)
     m = re.match(r"roi_heads\.box_head\.conv(\d+)\.(norm\.)?(weight|bias)$", name)
     if m:
-        return f"roi_heads.box_head.{int(m.group(1)) - 1}.{1 if m.group(2) else 0}.{m.group(3)}"
+        return _conv_norm("roi_heads.box_head", m)
     m = re.match(r"roi_heads\.box_head\.fc(\d+)\.(weight|bias)$", name)
     if m:
         k = int(m.group(1))
@@ -85,7 +92,7 @@ def _target(name: str, own: Mapping[str, torch.Tensor]) -> Optional[str]:
         return f"roi_heads.box_predictor.{m.group(1)}.{m.group(2)}"
     m = re.match(r"roi_heads\.mask_head\.mask_fcn(\d+)\.(norm\.)?(weight|bias)$", name)
     if m:
-        return f"roi_heads.mask_head.{int(m.group(1)) - 1}.{1 if m.group(2) else 0}.{m.group(3)}"
+        return _conv_norm("roi_heads.mask_head", m)
     m = re.match(r"roi_heads\.mask_head\.(deconv|predictor)\.(weight|bias)$", name)
     if m:
         layer = "conv5_mask" if m.group(1) == "deconv" else "mask_fcn_logits"

@@ -34,6 +34,7 @@ from pareprop.convert.block import CoupledBlock, drop_path_samples
 from pareprop.convert.mvitv2 import sample_draws
 from pareprop.convert.source import keep_source_names
 from pareprop.convert.stages import CoupledRuns
+from pareprop.detection.detectron2._backbone import cfg_with, init_weights, pos_embed_table
 from pareprop.detection.detectron2.layers import (
     PatchEmbed,
     abs_pos,
@@ -286,12 +287,10 @@ class MViT(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg.patch_kernel, cfg.patch_stride, cfg.patch_padding,
                                       cfg.in_chans, cfg.embed_dim, **kw)
-        self.pos_embed: Optional[nn.Parameter] = None
-        if cfg.use_abs_pos:
-            n = ((cfg.pretrain_img_size // cfg.patch_stride[0])
-                 * (cfg.pretrain_img_size // cfg.patch_stride[1]))
-            n += 1 if cfg.pretrain_use_cls_token else 0
-            self.pos_embed = nn.Parameter(torch.zeros(1, n, cfg.embed_dim, **kw))
+        grid = ((cfg.pretrain_img_size // cfg.patch_stride[0])
+                * (cfg.pretrain_img_size // cfg.patch_stride[1]))
+        self.pos_embed = pos_embed_table(cfg.use_abs_pos, grid, cfg.pretrain_use_cls_token,
+                                         cfg.embed_dim, **kw)
         blocks, widths, strides = _build_blocks(cfg, **kw)
         bounds = [0] + [i + 1 for i in cfg.last_block_indexes]
         self.stages = nn.ModuleList(
@@ -304,7 +303,8 @@ class MViT(nn.Module):
         self.out_feature_channels = dict(zip(self.out_features, widths))
         self.out_feature_strides = dict(zip(self.out_features, strides))
         if device is None or torch.device(device).type != "meta":
-            self._init_weights()
+            # Pooling convolutions keep PyTorch's initialisation, tables stay zero.
+            init_weights(self.modules(), self.pos_embed)
         renames = []
         for s, (stage, start) in enumerate(zip(self.stages, bounds)):
             for p, indices in enumerate(stage.source_indices):
@@ -314,20 +314,6 @@ class MViT(nn.Module):
                     renames += [(f"stages.{s}.parts.{p}.blocks.{j}.", f"blocks.{start + i}.")
                                 for j, i in enumerate(indices)]
         keep_source_names(self, renames)
-
-    def _init_weights(self) -> None:
-        # detectron2's: truncated normal (std 0.02) for linear weights, zero biases, unit
-        # LayerNorms; pooling convolutions keep PyTorch's initialisation, tables stay zero.
-        if self.pos_embed is not None:
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
 
     def stacks(self):
         return [stack for stage in self.stages for stack in stage.stacks()]
@@ -346,9 +332,4 @@ class MViT(nn.Module):
 
 def mvit_cfg(**overrides) -> MViTCfg:
     """A :class:`MViTCfg` with ``overrides`` (unknown names refused in one line)."""
-    names = set(MViTCfg.__dataclass_fields__)
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown MViT argument(s) {unknown}; expected some of {sorted(names)}")
-    return MViTCfg(**overrides)
-
+    return cfg_with(MViTCfg, "MViT", overrides)

@@ -18,7 +18,7 @@ map the pyramid reads. At (alpha, beta) = (1, 0) it is detectron2's ViT.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,7 @@ from timm.layers import DropPath, Mlp
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, drop_path_samples
 from pareprop.convert.source import keep_source_names
+from pareprop.detection.detectron2._backbone import cfg_with, init_weights, pos_embed_table
 from pareprop.detection.detectron2.layers import (
     PatchEmbed,
     abs_pos,
@@ -172,11 +173,9 @@ class ViT(nn.Module):
         p = cfg.patch_size
         self.patch_embed = PatchEmbed((p, p), (p, p), in_chans=cfg.in_chans,
                                       embed_dim=cfg.embed_dim, **kw)
-        self.pos_embed: Optional[nn.Parameter] = None
-        if cfg.use_abs_pos:
-            grid = cfg.pretrain_img_size // p
-            n = grid * grid + (1 if cfg.pretrain_use_cls_token else 0)
-            self.pos_embed = nn.Parameter(torch.zeros(1, n, cfg.embed_dim, **kw))
+        grid = cfg.pretrain_img_size // p
+        self.pos_embed = pos_embed_table(cfg.use_abs_pos, grid * grid,
+                                         cfg.pretrain_use_cls_token, cfg.embed_dim, **kw)
         # detectron2's stochastic depth rule, float32 steps as torch.linspace makes them.
         dpr = [x.item() for x in torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu")]
         size = (cfg.img_size // p, cfg.img_size // p)
@@ -188,22 +187,9 @@ class ViT(nn.Module):
         self.out_channels = cfg.embed_dim
         self.stride = p
         if device is None or torch.device(device).type != "meta":
-            self._init_weights()
+            # The relative-position tables stay zero.
+            init_weights(self.stack.modules(), self.pos_embed)
         keep_source_names(self, [("stack.blocks.", "blocks.")])
-
-    def _init_weights(self) -> None:
-        # detectron2's: truncated normal (std 0.02) for positions and linear weights, zero
-        # biases, unit LayerNorms; the relative-position tables stay zero.
-        if self.pos_embed is not None:
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.stack.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
 
     @property
     def blocks(self) -> Sequence[ViTBlock]:
@@ -219,9 +205,4 @@ class ViT(nn.Module):
 
 def vit_cfg(**overrides) -> ViTCfg:
     """A :class:`ViTCfg` with ``overrides`` (unknown names refused in one line)."""
-    names = set(ViTCfg.__dataclass_fields__)
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown ViT argument(s) {unknown}; expected some of {sorted(names)}")
-    return ViTCfg(**overrides)
-
+    return cfg_with(ViTCfg, "ViT", overrides)
