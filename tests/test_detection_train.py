@@ -3,6 +3,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -153,11 +154,18 @@ def test_resume_equals_an_uninterrupted_run(shapes, config_file, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-@pytest.mark.parametrize("command", [plan_main, bench_main])
-def test_plan_and_bench_refuse_detectors_in_one_line(command, tmp_path, capsys):
+def test_bench_refuses_detectors_in_one_line_and_plan_takes_them(tmp_path, capsys):
     argv = ["--models", "maskrcnn:rev_mvitv2_tiny", "--batch-sizes", "2"]
-    if command is bench_main:
-        argv += ["--out", str(tmp_path / "bench")]
-    assert command(argv) == 2
+    assert bench_main([*argv, "--out", str(tmp_path / "bench")]) == 2
     err = capsys.readouterr().err
-    assert "is a detector" in err and len(err.strip().splitlines()) == 1
+    assert "is a detector" in err and "pareprop plan" in err and len(err.strip().splitlines()) == 1
+    assert plan_main(["--models", "maskrcnn:nonexistent_backbone", "--batch-sizes", "2",
+                      "--out", str(tmp_path / "plan")]) == 2
+    assert "unknown detection backbone" in capsys.readouterr().err  # plan reads the name
+
+
+def test_a_missing_pycocotools_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pycocotools", None)
+    assert train_main(["--task", "detection", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'pareprop[detection]'" in err and len(err.splitlines()) == 1

@@ -31,7 +31,7 @@ from pareprop.cli.options import Parser, device, existing_path
 from pareprop.cli.train import _parse_model_args
 from pareprop.convert import converted_model_name
 from pareprop.convert.timm_pretrained import load_timm_pretrained
-from pareprop.data import is_video_model
+from pareprop.data import MissingPackageError, is_video_model
 from pareprop.engine import ENGINES
 from pareprop.evaluate import evaluate
 from pareprop.evaluate_detection import (
@@ -233,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress=not args.no_progress,
             limit=args.limit,
         )
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
+    except (ValueError, CheckpointError, FileNotFoundError, MissingPackageError) as e:
         print(f"pareprop eval: error: {e}", file=sys.stderr)
         return 2
     result = {"model": getattr(model, "model_name", args.model),

@@ -143,15 +143,14 @@ class CouplingPair(argparse.Action):
 
 
 def refuse_detectors(names: Sequence[str], command: str) -> None:
-    """Refuse detector names (``ARCH:BACKBONE``) in one line: ``plan`` and ``bench`` measure
-    classifiers (a detector's proposal selection and NMS do not run on the fake tensors the
-    planner uses)."""
+    """Refuse detector names (``ARCH:BACKBONE``) in one line where ``command`` sweeps
+    classifiers only (``bench``: its default run ends with a detector step of its own)."""
     for name in names:
         arch, sep, _ = name.partition(":")
         if sep and arch in DETECTOR_ARCHS:
             raise ValueError(
-                f"{name} is a detector; pareprop {command} measures classifiers only (a "
-                f"detector's proposals and NMS have no fixed size to plan). Measure a detector's "
-                f"training step with pareprop train --task detection, or give its backbone "
+                f"{name} is a detector; pareprop {command} --models sweeps classifiers (its "
+                f"default run ends with a detector step; --no-detector leaves it out). Plan a "
+                f"detector with pareprop plan --models {name}, or give its backbone "
                 f"({name.split(':', 1)[1]}) here"
             )

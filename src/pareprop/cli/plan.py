@@ -39,7 +39,6 @@ from pareprop.cli.options import (
     fraction,
     output_folder,
     positive_int,
-    refuse_detectors,
 )
 from pareprop.memory import parse_memory
 from pareprop.memory.step import AMP_MODES
@@ -118,7 +117,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "has none: add reversible or pareprop, or drop --memory-budgets"
             )
         _check_coupling(args)
-        refuse_detectors(_split(args.models), "plan")
         extra = {} if args.depth is None else {"depth": args.depth}
         if args.num_frames is not None:
             extra["num_frames"] = args.num_frames

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from pareprop.checkpoint import CheckpointError
 from pareprop.cli.options import Parser
 from pareprop.convert import converted_model_name
-from pareprop.data import DatasetNotFoundError
+from pareprop.data import DatasetNotFoundError, MissingPackageError
 from pareprop.trainer import (
     AMP_MODES,
     DETECTION_DEFAULTS,
@@ -306,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NonFiniteLossError as e:
         print(f"pareprop train: stopped: {e}", file=sys.stderr)
         return 1
-    except (CheckpointError, DatasetNotFoundError) as e:
+    except (CheckpointError, DatasetNotFoundError, MissingPackageError) as e:
         print(f"pareprop train: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

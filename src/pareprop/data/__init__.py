@@ -8,6 +8,7 @@ from pareprop.data.config import (
     DATA_CONFIG_KEYS,
     PUBLISHED_CONFIG,
     DataConfig,
+    MissingPackageError,
     eval_transform,
     is_video_model,
     model_data_config,
@@ -40,6 +41,7 @@ __all__ = [
     # the data config
     "DATA_CONFIG_KEYS",
     "DataConfig",
+    "MissingPackageError",
     "PUBLISHED_CONFIG",
     "eval_transform",
     "is_video_model",

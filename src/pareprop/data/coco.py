@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from pareprop.data.config import MissingPackageError
 from pareprop.data.detection_transforms import large_scale_jitter, resize_to_fit
 
 __all__ = [
@@ -69,7 +70,7 @@ def require_pycocotools() -> Any:
         import pycocotools.coco
         import pycocotools.mask  # noqa: F401
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             "COCO-format detection data needs pycocotools: pip install 'pareprop[detection]' "
             "(or pip install pycocotools)"
         ) from None

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 __all__ = [
+    "MissingPackageError",
     "DATA_CONFIG_KEYS",
     "DataConfig",
     "PUBLISHED_CONFIG",
@@ -36,6 +37,11 @@ __all__ = [
     "model_data_config",
     "video_data_config",
 ]
+
+
+class MissingPackageError(ImportError):
+    """An optional package that this data needs is not installed; the message says how to
+    install it (the command-line tools print it as one line)."""
 
 # The keys of an image data config (timm's resolve_data_config), NOTE [ One data config ].
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")

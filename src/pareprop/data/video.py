@@ -63,7 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
-from pareprop.data.config import PUBLISHED_CONFIG, video_data_config
+from pareprop.data.config import PUBLISHED_CONFIG, MissingPackageError, video_data_config
 
 __all__ = [
     "UndecodableVideoWarning",
@@ -91,7 +91,7 @@ def require_av() -> Any:
     try:
         import av
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             "video decoding needs PyAV: pip install 'pareprop[video]' (or pip install av); "
             "its wheels bundle FFmpeg"
         ) from None
