@@ -139,13 +139,8 @@ class DetectionSetup(RunSetup):
     def _setup_data(self) -> None:
         """As a classifier's (NOTE [ Batch size ] in setup.py), with detection's collate; every
         process validates on the whole set (NOTE [ The same AP in training and evaluation ])."""
-        cfg, world, accum = self.cfg, self.dist.world_size, self.cfg.grad_accum
-        if cfg.batch_size % (world * accum):
-            raise ValueError(
-                f"expected --batch-size divisible by processes x --grad-accum = {world} x {accum}, "
-                f"got {cfg.batch_size}"
-            )
-        self.micro_batch = cfg.batch_size // (world * accum)
+        cfg, world = self.cfg, self.dist.world_size
+        self.micro_batch = self._micro_batch_size()
         self.sampler = epoch_sampler(self.data.train, cfg.seed, num_replicas=world,
                                      rank=self.dist.rank)
         self.train_loader = DataLoader(
@@ -157,7 +152,7 @@ class DetectionSetup(RunSetup):
             self.data.val, self.data.data_config["val_batch_size"], cfg.workers
         )
         self.micro_per_epoch = len(self.train_loader)
-        self.steps_per_epoch = math.ceil(self.micro_per_epoch / accum)
+        self.steps_per_epoch = math.ceil(self.micro_per_epoch / cfg.grad_accum)
         self.total_steps = self.steps_per_epoch * cfg.epochs
 
 

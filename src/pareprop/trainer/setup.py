@@ -237,15 +237,20 @@ class RunSetup:
         self._log(str(plan))
         return plan
 
-    def _setup_data(self) -> None:
-        """Per-process micro-batches (see NOTE [ Batch size ]) and the validation shard."""
+    def _micro_batch_size(self) -> int:
+        """Each process's micro-batch: --batch-size over processes x --grad-accum."""
         cfg, world, accum = self.cfg, self.dist.world_size, self.cfg.grad_accum
         if cfg.batch_size % (world * accum):
             raise ValueError(
                 f"expected --batch-size divisible by processes x --grad-accum = {world} x {accum}, "
                 f"got {cfg.batch_size}"
             )
-        self.micro_batch = cfg.batch_size // (world * accum)
+        return cfg.batch_size // (world * accum)
+
+    def _setup_data(self) -> None:
+        """Per-process micro-batches (see NOTE [ Batch size ]) and the validation shard."""
+        cfg, world = self.cfg, self.dist.world_size
+        self.micro_batch = self._micro_batch_size()
         self.sampler = epoch_sampler(
             self.data.train, cfg.seed, num_replicas=world, rank=self.dist.rank
         )
@@ -264,7 +269,7 @@ class RunSetup:
             shard, batch_size=max(self.micro_batch, 64), num_workers=cfg.workers
         )
         self.micro_per_epoch = len(self.train_loader)
-        self.steps_per_epoch = math.ceil(self.micro_per_epoch / accum)
+        self.steps_per_epoch = math.ceil(self.micro_per_epoch / cfg.grad_accum)
         self.total_steps = self.steps_per_epoch * cfg.epochs
 
     def _setup_processes(self) -> None:
