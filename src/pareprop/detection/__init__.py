@@ -18,6 +18,7 @@ from pareprop.detection.names import (
     parse_detector_name,
     register_backbone,
 )
+from pareprop.detection.light import is_memory_light, set_memory_light
 from pareprop.detection.pyramid import FPN, LEVELS, SimpleFeaturePyramid
 
 from pareprop.detection.detectron2 import from_detectron2  # noqa: E402,F401  registers detectron2:NAME  isort: skip
@@ -43,5 +44,7 @@ __all__ = [
     "create_detector",
     "detector_from_spec",
     "parse_detector_name",
+    "is_memory_light",
     "register_backbone",
+    "set_memory_light",
 ]
