@@ -12,7 +12,12 @@ import pytest
 import torch
 
 import pareprop
-from pareprop.detection import create_detector, is_memory_light, set_memory_light
+from pareprop.detection import (
+    create_detector,
+    detector_from_spec,
+    is_memory_light,
+    set_memory_light,
+)
 from pareprop.memory.detection import synthetic_targets
 
 VITDET = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_indexes=(0, 2),
@@ -79,6 +84,7 @@ def test_memory_light_step_has_the_same_losses_and_gradients(backbone):
 def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():
     det, _ = _detector("detectron2:vitdet_b", memory_light=True)
     assert det.pareprop_spec["memory_light"] is True
+    assert is_memory_light(detector_from_spec(det.pareprop_spec))
     assert "forward" in det.rpn.head.__dict__ and det.backbone.memory_light
     set_memory_light(det, False)
     assert "forward" not in det.rpn.head.__dict__ and not det.backbone.memory_light

@@ -13,12 +13,12 @@
 from pareprop.detection.backbones import PyramidBackbone, build_backbone
 from pareprop.detection.factory import SMALL_DETECTOR, create_detector, detector_from_spec
 from pareprop.detection.heads import HEADS
+from pareprop.detection.light import is_memory_light, set_memory_light
 from pareprop.detection.names import (
     DETECTOR_ARCHS,
     parse_detector_name,
     register_backbone,
 )
-from pareprop.detection.light import is_memory_light, set_memory_light
 from pareprop.detection.pyramid import FPN, LEVELS, SimpleFeaturePyramid
 
 from pareprop.detection.detectron2 import from_detectron2  # noqa: E402,F401  registers detectron2:NAME  isort: skip

@@ -24,7 +24,6 @@ from typing import Dict, List, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torch.utils.checkpoint import checkpoint
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
