@@ -18,6 +18,7 @@ from pareprop.detection import (
     is_memory_light,
     set_memory_light,
 )
+from pareprop.engine.chunk_cost import Chunking
 from pareprop.memory.detection import synthetic_targets
 
 VITDET = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_indexes=(0, 2),
@@ -96,8 +97,10 @@ def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():
 
 
 def test_the_plan_of_a_memory_light_detector_keeps_less():
+    # Chunks given as a Chunking, as a plan sweep passes them on.
     kw = dict(device="cpu", img_size=128, num_classes=3, gt_per_image=3, amp=None,
-              optimizer="none", backbone_args=dict(VITDET), **HEADS)
+              optimizer="none", backbone_args=dict(VITDET), chunk_bytes=Chunking(max_bytes=2**20),
+              **HEADS)
     plain = pareprop.plan_memory("maskrcnn:detectron2:vitdet_b", 2, "reversible", **kw)
     light = pareprop.plan_memory("maskrcnn:detectron2:vitdet_b", 2, "reversible",
                                  memory_light=True, **kw)
