@@ -8,7 +8,8 @@ and the heads (the RPN's convolutions over every level, the RoI heads' conv towe
 runs each of them under ``torch.utils.checkpoint`` (non-reentrant): the pyramid level by
 level (:class:`~pareprop.detection.detectron2.pyramid.SimpleFeaturePyramid`) or its top-down
 pass whole (:class:`~pareprop.detection.detectron2.pyramid.FPN`, whose levels share the sums),
-the RPN head, the box head and the mask head whole. Their inputs are kept anyway (the
+the RPN head, the box head, the mask head and the mask predictor (whose deconvolution makes
+the largest map of the RoI heads, 28x28 per positive RoI) whole. Their inputs are kept anyway (the
 backbone's maps, the RoI-pooled features), their outputs are what the step needs next, and
 backward recomputes the rest with the same autocast state, so gradients are unchanged to the
 bit. The cost is one more forward of these parts.
@@ -26,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["is_memory_light", "set_memory_light"]
 
 # The torchvision heads run whole under checkpointing (attribute paths from the detector).
-_HEADS = ("rpn.head", "roi_heads.box_head", "roi_heads.mask_head")
+_HEADS = ("rpn.head", "roi_heads.box_head", "roi_heads.mask_head",
+          "roi_heads.mask_predictor")
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
