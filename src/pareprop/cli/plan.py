@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="reversible models: run their non-reversible blocks (MViTv2 "
                    "transitions, Swin merging and fusion) under activation checkpointing")
+    p.add_argument("--memory-light", action="store_true",
+                   help="detectors (ARCH:detectron2:NAME): run the pyramid and the R-CNN heads "
+                   "under activation checkpointing, only their outputs kept for backward")
     p.add_argument("--chunk-bytes", metavar="SIZE|auto",
                    help="reversible engines: rebuild and differentiate each block's branches in "
                    "chunks of at most SIZE saved bytes (256MiB...), or 'auto': the size whose "
@@ -120,6 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra = {} if args.depth is None else {"depth": args.depth}
         if args.num_frames is not None:
             extra["num_frames"] = args.num_frames
+        if args.memory_light:
+            extra["memory_light"] = True
         plan = plan_sweep(_split(args.models), _split(args.engines), args.batch_sizes,
                           amp=args.amp, img_size=args.img_size, memory_bytes=memory,
                           device=args.device, memory_budgets=args.memory_budgets,

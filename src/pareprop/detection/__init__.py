@@ -13,6 +13,7 @@
 from pareprop.detection.backbones import PyramidBackbone, build_backbone
 from pareprop.detection.factory import SMALL_DETECTOR, create_detector, detector_from_spec
 from pareprop.detection.heads import HEADS
+from pareprop.detection.light import is_memory_light, set_memory_light
 from pareprop.detection.names import (
     DETECTOR_ARCHS,
     parse_detector_name,
@@ -43,5 +44,7 @@ __all__ = [
     "create_detector",
     "detector_from_spec",
     "parse_detector_name",
+    "is_memory_light",
     "register_backbone",
+    "set_memory_light",
 ]

@@ -24,6 +24,7 @@ from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 
 from pareprop.detection.backbones import build_backbone
 from pareprop.detection.heads import HEADS, head_kwargs
+from pareprop.detection.light import set_memory_light
 from pareprop.detection.names import DETECTOR_ARCHS, backbone_builder, check_arch
 from pareprop.engine import ENGINES
 
@@ -74,6 +75,7 @@ def create_detector(
     backbone_args: Optional[Dict[str, Any]] = None,
     fpn_channels: int = 256,
     heads: str = "torchvision",
+    memory_light: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """torchvision's detector ``arch`` on the reversible backbone ``backbone``.
@@ -97,6 +99,8 @@ def create_detector(
         fpn_channels: width of every pyramid level.
         heads: ``"torchvision"`` (its defaults) or ``"vitdet"`` (2-conv RPN head, 4conv+1fc box
             head and mask head with LayerNorm; RetinaNet's head with GroupNorm).
+        memory_light: run the pyramid and the R-CNN heads under activation checkpointing
+            (:func:`~pareprop.detection.light.set_memory_light`; detectron2's backbones).
         **kwargs: torchvision's constructor's keywords (``min_size``, ``max_size``,
             ``rpn_post_nms_top_n_train``, ``box_detections_per_img``...).
 
@@ -153,6 +157,9 @@ def create_detector(
         "engine": engine,
         "heads": heads,
     }
+    if memory_light:
+        set_memory_light(detector)
+        spec["memory_light"] = True
     if unrecorded:
         spec["unrecorded"] = unrecorded
     detector.pareprop_spec = json.loads(json.dumps(spec))  # plain JSON values (lists)
@@ -188,7 +195,7 @@ def detector_from_spec(spec: Dict[str, Any], **overrides: Any) -> nn.Module:
         backbone_args=copy.deepcopy(spec["backbone_args"]), fpn_channels=spec["fpn_channels"],
         **copy.deepcopy(spec["kwargs"]),
     )
-    for key in ("engine", "heads"):
+    for key in ("engine", "heads", "memory_light"):
         if key in spec:
             args[key] = spec[key]
     args.update(overrides)

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from pareprop.engine import set_chunking
-from pareprop.engine.chunk_cost import tracing_distinct_chunks
+from pareprop.engine.chunk_cost import Chunking, tracing_distinct_chunks
 from pareprop.engine.stack import REVERSIBLE_ENGINES
 from pareprop.memory.fake_modes import cpu_linspace, planning_values
 from pareprop.memory.measure import StepPeakTracker, apply_engine
@@ -413,6 +413,10 @@ def plan_detector(
                          f"engine {engine!r} has none (use reversible or pareprop)")
     if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
         raise ValueError("chunk_bytes='auto' is not planned for detectors; give a size")
+    if isinstance(chunk_bytes, Chunking):  # parsed where it entered (a plan sweep)
+        if chunk_bytes.max_bytes is None:
+            raise ValueError(f"expected a chunk size in bytes, got {chunk_bytes!r}")
+        chunk_bytes = chunk_bytes.max_bytes
     size = None if chunk_bytes is None else parse_memory(chunk_bytes)
     image_size = _parse_image_size(img_size)
     dtype = amp_dtype(amp)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
 from pareprop.engine import ReversibleStack, set_stack_engine
@@ -44,7 +45,14 @@ class LastLevelMaxPool(nn.Module):
 
 
 class _BackboneMixin:
-    """What the two pyramids share: the engine and coupling of the backbone's stacks."""
+    """What the two pyramids share: the engine and coupling of the backbone's stacks, and
+    ``memory_light``: the pyramid under activation checkpointing, only its outputs kept for
+    backward (NOTE [ A memory-light detector ] in ``pareprop/detection/light.py``)."""
+
+    memory_light = False
+
+    def _light(self) -> bool:
+        return bool(self.memory_light) and torch.is_grad_enabled()
 
     @property
     def body(self):
@@ -126,8 +134,11 @@ class SimpleFeaturePyramid(_BackboneMixin, nn.Module):
 
     def forward(self, images: Tensor) -> "OrderedDict[str, Tensor]":
         x = self.net(images)
-        out: Dict[str, Tensor] = OrderedDict(
-            (name, getattr(self, f"simfp_{name[1:]}")(x)) for name in self._levels)
+        out: Dict[str, Tensor] = OrderedDict()
+        for name in self._levels:
+            level = getattr(self, f"simfp_{name[1:]}")
+            # Level by level: the recomputation in backward holds one level's intermediates.
+            out[name] = checkpoint(level, x, use_reentrant=False) if self._light() else level(x)
         out[f"p{int(self._levels[-1][1:]) + 1}"] = self.top_block(out[self._levels[-1]])
         return out
 
@@ -174,7 +185,20 @@ class FPN(_BackboneMixin, nn.Module):
 
     def forward(self, images: Tensor) -> "OrderedDict[str, Tensor]":
         features = self.bottom_up(images)
-        results = []
+        maps = [features[name] for name in self.in_features]
+        if self._light():
+            # The levels share the top-down sums: the pass runs whole under checkpointing.
+            results = checkpoint(self._top_down, *maps, use_reentrant=False)
+        else:
+            results = self._top_down(*maps)
+        out: Dict[str, Tensor] = OrderedDict(zip(self._levels, results))
+        out[f"p{int(self._levels[-1][1:]) + 1}"] = self.top_block(results[-1])
+        return out
+
+    def _top_down(self, *maps: Tensor) -> List[Tensor]:
+        """The output maps from the bottom-up maps (high to low resolution)."""
+        features = dict(zip(self.in_features, maps))
+        results: List[Tensor] = []
         prev = None
         # Top-down, from the coarsest level: lateral, plus the coarser sum upsampled.
         for name, level in zip(reversed(self.in_features), reversed(self._levels)):
@@ -182,6 +206,4 @@ class FPN(_BackboneMixin, nn.Module):
             prev = lateral if prev is None else (
                 lateral + F.interpolate(prev, scale_factor=2.0, mode="nearest"))
             results.insert(0, getattr(self, f"fpn_output{level[1:]}")(prev))
-        out: Dict[str, Tensor] = OrderedDict(zip(self._levels, results))
-        out[f"p{int(self._levels[-1][1:]) + 1}"] = self.top_block(results[-1])
-        return out
+        return results

@@ -1,0 +1,109 @@
+"""A memory-light detector (the pyramid and the R-CNN heads under activation checkpointing)
+takes one float64 Mask R-CNN step exactly as the same detector without: every loss and every
+parameter's gradient, on ViTDet's simple feature pyramid and on MViTv2's FPN. Controls: the
+parts are recomputed (the option acts), a perturbed weight is noticed, and the plan's peak
+falls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pareprop
+from pareprop.detection import (
+    create_detector,
+    detector_from_spec,
+    is_memory_light,
+    set_memory_light,
+)
+from pareprop.engine.chunk_cost import Chunking
+from pareprop.memory.detection import synthetic_targets
+
+VITDET = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_indexes=(0, 2),
+              img_size=128, pretrain_img_size=64, coupling=(0.5, 0.5), tolerance=None)
+MVIT = dict(embed_dim=8, depth=6, num_heads=1, last_block_indexes=(1, 3, 4, 5), img_size=64,
+            adaptive_window_size=6, adaptive_kv_stride=2, coupling=(0.5, 0.5), tolerance=None)
+CASES = {"detectron2:vitdet_b": (VITDET, 128), "detectron2:mvitv2_t": (MVIT, 64)}
+HEADS = dict(rpn_pre_nms_top_n_train=40, rpn_post_nms_top_n_train=16,
+             box_batch_size_per_image=8, rpn_batch_size_per_image=64, heads="vitdet")
+
+
+def _detector(backbone, **kw):
+    args, size = CASES[backbone]
+    torch.manual_seed(0)
+    det = create_detector("maskrcnn", backbone, num_classes=3, backbone_args=dict(args),
+                          min_size=size, max_size=size, **HEADS, **kw)
+    return det.double().train(), size
+
+
+def _step(det, size):
+    torch.manual_seed(1)
+    images = [torch.rand(3, size, size, dtype=torch.float64) for _ in range(2)]
+    targets = synthetic_targets(2, (size, size), 3, 3, masks=True)
+    torch.manual_seed(2)
+    det.zero_grad(set_to_none=True)
+    losses = det(images, targets)
+    sum(losses.values()).backward()
+    grads = {n: p.grad.clone() for n, p in det.named_parameters() if p.grad is not None}
+    return {k: v.detach() for k, v in losses.items()}, grads
+
+
+@pytest.mark.parametrize("backbone", sorted(CASES))
+def test_memory_light_step_has_the_same_losses_and_gradients(backbone):
+    det, size = _detector(backbone)
+    light = set_memory_light(copy.deepcopy(det))
+    assert is_memory_light(light) and not is_memory_light(det)
+    calls = {"plain": 0, "light": 0}
+    for key, model in (("plain", det), ("light", light)):
+        def count(*_, key=key):
+            calls[key] += 1
+        model.rpn.head.conv.register_forward_pre_hook(count)
+    want_losses, want = _step(det, size)
+    got_losses, got = _step(light, size)
+    # The option acts: the RPN head ran again in backward.
+    assert calls["light"] == 2 * calls["plain"] > 0
+    assert want_losses.keys() == got_losses.keys()
+    for k in want_losses:
+        torch.testing.assert_close(got_losses[k], want_losses[k], rtol=0, atol=0)
+    assert want.keys() == got.keys()
+    assert any(n.startswith("backbone.simfp") or n.startswith("backbone.fpn") for n in want)
+    assert any(n.startswith("roi_heads.mask_head") for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
+
+    # Negative control: one element of a pyramid weight moved by 1e-6 is noticed by the same
+    # comparison (one element: a uniform shift would vanish in the channel LayerNorm).
+    name = next(n for n in want if n.startswith("backbone.simfp") or n.startswith("backbone.fpn"))
+    with torch.no_grad():
+        dict(light.named_parameters())[name].view(-1)[0] += 1e-6
+    _, moved = _step(light, size)
+    assert any(not torch.allclose(moved[n], want[n], rtol=1e-12, atol=1e-14) for n in want)
+
+
+def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():
+    det, _ = _detector("detectron2:vitdet_b", memory_light=True)
+    assert det.pareprop_spec["memory_light"] is True
+    assert is_memory_light(detector_from_spec(det.pareprop_spec))
+    assert "forward" in det.rpn.head.__dict__ and det.backbone.memory_light
+    set_memory_light(det, False)
+    assert "forward" not in det.rpn.head.__dict__ and not det.backbone.memory_light
+    torch.manual_seed(0)
+    other = create_detector("fasterrcnn", "rev_vit_tiny_patch16_224", num_classes=3,
+                            backbone_args=dict(embed_dim=16, depth=2, num_heads=2, img_size=64))
+    with pytest.raises(ValueError, match="memory_light"):
+        set_memory_light(other)
+
+
+def test_the_plan_of_a_memory_light_detector_keeps_less():
+    # Chunks given as a Chunking, as a plan sweep passes them on.
+    kw = dict(device="cpu", img_size=128, num_classes=3, gt_per_image=3, amp=None,
+              optimizer="none", backbone_args=dict(VITDET), chunk_bytes=Chunking(max_bytes=2**20),
+              **HEADS)
+    plain = pareprop.plan_memory("maskrcnn:detectron2:vitdet_b", 2, "reversible", **kw)
+    light = pareprop.plan_memory("maskrcnn:detectron2:vitdet_b", 2, "reversible",
+                                 memory_light=True, **kw)
+    assert light.peak < plain.peak
+    assert light.split["pyramid"] + light.split["heads"] < plain.split["pyramid"] + \
+        plain.split["heads"]
