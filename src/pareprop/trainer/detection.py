@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from pareprop import checkpoint as ckpt_lib
 from pareprop import distributed as dist_lib
-from pareprop.convert.coupling import coupling_of
 from pareprop.data import epoch_sampler
 from pareprop.data.coco import collate_detection
 from pareprop.detection import create_detector, detector_from_spec, parse_detector_name
@@ -285,21 +284,6 @@ class DetectionRun:
         self._log(f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, {aps} "
                   f"({metrics['samples_per_s']:.1f} images/s)")
         return metrics
-
-    def _coupling_record(self) -> Dict[str, Any]:
-        """A converted backbone's coupling at the epoch's end and its precision guard's last
-        report (NOTE [ The precision guard ]): which blocks it stores and why, in the log and
-        in ``metrics.jsonl`` (``coupling``, ``guard_stored``, ``guard_report``)."""
-        if self.coupling is None:
-            return {}
-        record: Dict[str, Any] = {"coupling": list(coupling_of(self.model))}
-        guard = getattr(self.model, "precision_guard", None)
-        report = guard.report if guard is not None else None
-        if report is not None:
-            record["guard_stored"] = list(report.stored)
-            record["guard_report"] = str(report)
-            self._log(f"precision guard: {report}")
-        return record
 
     def _train_epochs(self) -> Dict[str, Any]:
         summary = super()._train_epochs()
