@@ -115,6 +115,12 @@ class DetectionSetup(RunSetup):
                 f"--num-classes {asked} disagrees with {name!r}, which has "
                 f"{self.data.num_classes - 1} categories (+1 background): drop --num-classes"
             )
+        if cfg.pretrained_file is not None:
+            if kwargs.get("pretrained_file", cfg.pretrained_file) != cfg.pretrained_file:
+                raise ValueError(
+                    f"--pretrained-file {cfg.pretrained_file} and --model-arg pretrained_file="
+                    f"{kwargs['pretrained_file']} name two starting points: give one")
+            kwargs["pretrained_file"] = cfg.pretrained_file
         model = create_detector(arch, backbone, self.data.num_classes, engine=cfg.engine,
                                 **kwargs)
         return model.to(self.device)
@@ -257,6 +263,7 @@ class DetectionRun:
         self.epoch += 1
         metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
         metrics["peak_mem_mb"] = peak_mem_mb(self.device)
+        metrics.update(self._coupling_record())
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             # AP does not go NaN with the weights: look at them, so 'last' stays good.
             raise NonFiniteLossError(

@@ -41,6 +41,7 @@ from pareprop.pretrained import PUBLISHED, LoadReport, PretrainedError, load_pre
 __all__ = [
     "apply_convert_options",
     "check_start_coupling",
+    "detects_converted",
     "make_coupling_schedule",
     "start_coupling",
     "load_initial_weights",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "rev_vit_tiny_patch4_32"  # TrainConfig.model's default
+# Detector backbone prefixes built at the coupling (1, 0) with a precision guard.
+CONVERTED_BACKBONES = ("converted:", "detectron2:")
 
 
 def apply_convert_options(cfg: Any) -> None:
@@ -76,6 +79,16 @@ def apply_convert_options(cfg: Any) -> None:
             f"give --engine {engine}"
         )
     converts = cfg.convert_from is not None or cfg.model in converted_model_names()
+    if detects_converted(cfg):
+        # A detector on a converted backbone: the schedule moves the backbone's coupling.
+        coupling = ((cfg.model_kwargs or {}).get("backbone_args") or {}).get("coupling")
+        if coupling is not None and cfg.resume is None:
+            raise ValueError(
+                f"--model-arg backbone_args with coupling={coupling} would be overridden: the "
+                "coupling schedule sets the backbone's coupling from the first step; choose it "
+                "with --coupling-schedule (reversible: (0, 1) throughout) and --coupling-steps"
+            )
+        return
     if converts and "coupling" in (cfg.model_kwargs or {}) and cfg.resume is None:
         raise ValueError(
             f"--model-arg coupling={cfg.model_kwargs['coupling']} would be overridden: the "
@@ -85,6 +98,13 @@ def apply_convert_options(cfg: Any) -> None:
     if cfg.convert_from is None:
         # A resumed run restores --convert-from from its checkpoint, and the run's own
         # comparison (equal accepted, different refused) judges --coupling-steps then.
+        if cfg.coupling_steps is not None and cfg.resume is None and \
+                getattr(cfg, "task", None) == "detection":
+            raise ValueError(
+                f"--coupling-steps {cfg.coupling_steps} moves a converted backbone's coupling and "
+                f"{cfg.model} converts nothing: name the backbone converted:SOURCE or "
+                "detectron2:NAME, or drop --coupling-steps"
+            )
         if cfg.coupling_steps is not None and cfg.resume is None:
             raise ValueError(
                 f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
@@ -133,6 +153,15 @@ def apply_convert_options(cfg: Any) -> None:
     cfg.model, cfg.model_kwargs = converted, kwargs
 
 
+def detects_converted(cfg: Any) -> bool:
+    """Whether ``cfg`` trains a detector whose backbone is converted (``converted:SOURCE``,
+    ``detectron2:NAME``): its coupling moves along the schedule as a converted classifier's."""
+    if getattr(cfg, "task", None) != "detection" or ":" not in str(cfg.model):
+        return False
+    backbone = str(cfg.model).split(":", 1)[1]
+    return backbone.startswith(CONVERTED_BACKBONES)
+
+
 def start_coupling(cfg: Any) -> Tuple[float, float]:
     """The coupling a new run's schedule starts at: (0, 1) for ``reversible``, else (1, 0)."""
     return (0.0, 1.0) if cfg.coupling_schedule == "reversible" else (1.0, 0.0)
@@ -157,8 +186,10 @@ def make_coupling_schedule(cfg: Any, model: nn.Module,
                            steps_per_epoch: int) -> Optional[CouplingSchedule]:
     """The schedule the trainer steps after each optimizer step, or None for other models.
     ``coupling_steps`` unset: one epoch."""
-    if getattr(model, "model_name", None) not in converted_model_names():
-        return None
+    if getattr(model, "model_name", None) not in converted_model_names() and not (
+            getattr(model, "pareprop_spec", None) is not None
+            and getattr(model, "precision_guard", None) is not None):
+        return None  # neither a converted classifier nor a detector on a converted backbone
     steps = cfg.coupling_steps if cfg.coupling_steps is not None else steps_per_epoch
     # A run from a checkpoint keeps the coupling the model was saved at (model.json): resuming
     # loads the schedule's state, and --eval-only evaluates the model as it was trained.

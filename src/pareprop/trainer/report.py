@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from pareprop.convert.coupling import coupling_of
 from pareprop.trainer.config import MISSING_TENSORBOARD
 
 # Fields of a metrics record that measure the machine, not the run; exact resume compares the rest.
@@ -73,6 +74,22 @@ class RunReport:
         if self._scalars is not None:
             self._scalars.close()
             self._scalars = None
+
+    def _coupling_record(self) -> Dict[str, Any]:
+        """A converted model's (or detector backbone's) coupling at the epoch's end and its
+        precision guard's last report (NOTE [ The precision guard ]): which blocks it stores
+        and why, in the log and in ``metrics.jsonl`` (``coupling``, ``guard_stored``,
+        ``guard_report``)."""
+        if self.coupling is None:
+            return {}
+        record: Dict[str, Any] = {"coupling": list(coupling_of(self.model))}
+        guard = getattr(self.model, "precision_guard", None)
+        report = guard.report if guard is not None else None
+        if report is not None:
+            record["guard_stored"] = list(report.stored)
+            record["guard_report"] = str(report)
+            self._log(f"precision guard: {report}")
+        return record
 
     def _log(self, msg: str) -> None:
         if self.dist.rank == 0:

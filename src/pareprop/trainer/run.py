@@ -139,6 +139,7 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         self.epoch += 1
         metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
         metrics["peak_mem_mb"] = peak_mem_mb(self.device)
+        metrics.update(self._coupling_record())
         if not math.isfinite(metrics["val_loss"]):
             # Non-finite weights (a step that overflowed without a non-finite loss) must
             # not become 'last': that would lose the last good checkpoint.

@@ -49,9 +49,14 @@ from pareprop.trainer.finetune import (
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """AdamW groups: no weight decay on the model's ``no_weight_decay()`` names (position
-    embeddings, relative position tables) nor on norms and biases (any 0-D or 1-D tensor)."""
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    """AdamW groups: no weight decay on the ``no_weight_decay()`` names of the model and of
+    every module in it (position embeddings, relative position tables; a detector's backbone
+    trunk's, prefixed by its path) nor on norms and biases (any 0-D or 1-D tensor)."""
+    skip = set()
+    for path, module in model.named_modules():
+        if callable(getattr(module, "no_weight_decay", None)):
+            prefix = f"{path}." if path else ""
+            skip.update(prefix + n for n in module.no_weight_decay())
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

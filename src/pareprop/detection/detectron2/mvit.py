@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -317,6 +317,12 @@ class MViT(nn.Module):
 
     def stacks(self):
         return [stack for stage in self.stages for stack in stage.stacks()]
+
+    def no_weight_decay(self) -> Set[str]:
+        """The absolute and relative position tables (named as ``named_parameters`` names them),
+        which detectron2's fine-tuning recipes keep out of weight decay."""
+        return {n for n, _ in self.named_parameters()
+                if n.endswith(("pos_embed", "rel_pos_h", "rel_pos_w"))}
 
     def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":
         x = self.patch_embed(x)  # (B, H, W, C)

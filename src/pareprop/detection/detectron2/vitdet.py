@@ -18,7 +18,7 @@ map the pyramid reads. At (alpha, beta) = (1, 0) it is detectron2's ViT.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -190,6 +190,12 @@ class ViT(nn.Module):
             # The relative-position tables stay zero.
             init_weights(self.stack.modules(), self.pos_embed)
         keep_source_names(self, [("stack.blocks.", "blocks.")])
+
+    def no_weight_decay(self) -> Set[str]:
+        """The absolute and relative position tables (named as ``named_parameters`` names them),
+        which detectron2's fine-tuning recipes keep out of weight decay."""
+        return {n for n, _ in self.named_parameters()
+                if n.endswith(("pos_embed", "rel_pos_h", "rel_pos_w"))}
 
     @property
     def blocks(self) -> Sequence[ViTBlock]:
