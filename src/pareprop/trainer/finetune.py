@@ -22,7 +22,7 @@ weights only when asked for by name: ``--from-scratch``.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,19 @@ CONVERTED_BACKBONES = ("converted:", "detectron2:")
 def apply_convert_options(cfg: Any) -> None:
     """Check the fine-tuning fields of a TrainConfig and, with ``convert_from``, point the run at
     the converted model (called before the config fills in a preset for its model)."""
+    _check_start_options(cfg)
+    if not _check_coupling_arguments(cfg):
+        return  # a detector on a converted backbone: the schedule moves the backbone's coupling
+    if cfg.convert_from is None:
+        _check_nothing_converted(cfg)
+        return  # --pretrained(-file) then starts a registered model (load_initial_weights)
+    _check_convert_from(cfg)
+    cfg.model, cfg.model_kwargs = converted_model_name(cfg.convert_from), _convert_kwargs(cfg)
+
+
+def _check_start_options(cfg: Any) -> None:
+    """The schedule's options and the starting point: one of --pretrained, --pretrained-file
+    and --from-scratch, and no --model-arg engine= against --engine."""
     if cfg.coupling_schedule not in SCHEDULES:
         raise ValueError(
             f"expected --coupling-schedule one of {', '.join(SCHEDULES)}, got "
@@ -78,6 +91,11 @@ def apply_convert_options(cfg: Any) -> None:
             f"--model-arg engine={engine} and --engine {cfg.engine} contradict each other: "
             f"give --engine {engine}"
         )
+
+
+def _check_coupling_arguments(cfg: Any) -> bool:
+    """Refuse a coupling given as a model argument (the schedule sets it); False for a detector
+    on a converted backbone, which the rest of the conversion options do not concern."""
     converts = cfg.convert_from is not None or cfg.model in converted_model_names()
     if detects_converted(cfg):
         # A detector on a converted backbone: the schedule moves the backbone's coupling.
@@ -88,29 +106,36 @@ def apply_convert_options(cfg: Any) -> None:
                 "coupling schedule sets the backbone's coupling from the first step; choose it "
                 "with --coupling-schedule (reversible: (0, 1) throughout) and --coupling-steps"
             )
-        return
+        return False
     if converts and "coupling" in (cfg.model_kwargs or {}) and cfg.resume is None:
         raise ValueError(
             f"--model-arg coupling={cfg.model_kwargs['coupling']} would be overridden: the "
             "coupling schedule sets the coupling from the first step; choose it with "
             "--coupling-schedule (reversible: (0, 1) throughout) and --coupling-steps"
         )
-    if cfg.convert_from is None:
-        # A resumed run restores --convert-from from its checkpoint, and the run's own
-        # comparison (equal accepted, different refused) judges --coupling-steps then.
-        if cfg.coupling_steps is not None and cfg.resume is None and \
-                getattr(cfg, "task", None) == "detection":
-            raise ValueError(
-                f"--coupling-steps {cfg.coupling_steps} moves a converted backbone's coupling and "
-                f"{cfg.model} converts nothing: name the backbone converted:SOURCE or "
-                "detectron2:NAME, or drop --coupling-steps"
-            )
-        if cfg.coupling_steps is not None and cfg.resume is None:
-            raise ValueError(
-                f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
-                "this run converts nothing: add --convert-from NAME, or drop --coupling-steps"
-            )
-        return  # --pretrained(-file) then starts a registered model (load_initial_weights)
+    return True
+
+
+def _check_nothing_converted(cfg: Any) -> None:
+    """--coupling-steps without a converted model: refused, in the task's words."""
+    # A resumed run restores --convert-from from its checkpoint, and the run's own
+    # comparison (equal accepted, different refused) judges --coupling-steps then.
+    if cfg.coupling_steps is not None and cfg.resume is None and \
+            getattr(cfg, "task", None) == "detection":
+        raise ValueError(
+            f"--coupling-steps {cfg.coupling_steps} moves a converted backbone's coupling and "
+            f"{cfg.model} converts nothing: name the backbone converted:SOURCE or "
+            "detectron2:NAME, or drop --coupling-steps"
+        )
+    if cfg.coupling_steps is not None and cfg.resume is None:
+        raise ValueError(
+            f"--coupling-steps {cfg.coupling_steps} moves a converted ViT's coupling and "
+            "this run converts nothing: add --convert-from NAME, or drop --coupling-steps"
+        )
+
+
+def _check_convert_from(cfg: Any) -> None:
+    """What --convert-from cannot be combined with."""
     if cfg.pretrained:
         raise ValueError(
             "--pretrained downloads a published reversible model's weights; with --convert-from "
@@ -127,6 +152,10 @@ def apply_convert_options(cfg: Any) -> None:
             "--memory-budget with --convert-from is not supported: the precision guard chooses "
             "the stored blocks of a converted model while its skip scale is small (docs/convert.md)"
         )
+
+
+def _convert_kwargs(cfg: Any) -> Dict[str, Any]:
+    """The converted model's arguments: --model-arg, the source, the starting weight file."""
     kwargs = dict(cfg.model_kwargs or {})
     # --model-arg pretrained=false asks for random initialisation by name, as --from-scratch.
     pretrained = kwargs.pop("pretrained", None)
@@ -150,7 +179,9 @@ def apply_convert_options(cfg: Any) -> None:
     # built (load_pretrained reads it, verified); a file is the source's, read by its family.
     if cfg.pretrained_file is not None and not os.path.isdir(cfg.pretrained_file):
         kwargs["pretrained_file"] = cfg.pretrained_file
-    cfg.model, cfg.model_kwargs = converted, kwargs
+    return kwargs
+
+
 
 
 def detects_converted(cfg: Any) -> bool:
