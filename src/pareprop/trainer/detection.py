@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,7 +42,7 @@ from pareprop.evaluate_detection import (
     detection_datasets,
     detection_val_loader,
 )
-from pareprop.trainer.loop import NonFiniteLossError, TrainLoop, _Fault
+from pareprop.trainer.loop import NonFiniteLossError, TrainLoop
 from pareprop.trainer.report import peak_mem_mb
 from pareprop.trainer.setup import RunSetup, _seed
 
@@ -165,80 +164,45 @@ class DetectionSetup(RunSetup):
 class DetectionLoop(TrainLoop):
     """A detection epoch (NOTE [ A detection step ]) and its COCO evaluation."""
 
+    RATE_FORMAT = ".1f"
+
     def _detection_step(
         self, i: int, images: List[torch.Tensor], targets: List[Dict[str, Any]]
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], bool]:
         """Micro-batch ``i``: forward, the summed loss and backward; (loss, losses, ends a
         step)."""
-        accum = self.cfg.grad_accum
-        in_group = min(accum, self.micro_per_epoch - (i // accum) * accum)
-        last_micro = (i + 1) % accum == 0 or i + 1 == self.micro_per_epoch
-        sync = nullcontext() if last_micro else dist_lib.no_sync(self.net)
-        with sync:
+
+        def forward() -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
             with self._autocast():
                 losses = self.net(images, targets)
             losses = {k: v.float() for k, v in losses.items()}
-            loss = sum(losses.values())
-            self._fault.note(loss, "loss", self.step)
-            self.scaler.scale(loss / in_group).backward()
-        return loss, losses, last_micro
+            return sum(losses.values()), losses
 
-    def train_epoch(self) -> Dict[str, Any]:
-        from tqdm import tqdm
+        return self._backward(i, forward)
 
-        cfg = self.cfg
-        self.net.train()
-        self.sampler.set_epoch(self.epoch)
-        # loss x n, then each named loss x n, summed on the device in float64 (NOTE [ Reading
-        # the device once per log interval ]); sized at the first batch, which names them.
-        names: List[str] = []
-        sums: Optional[torch.Tensor] = None
-        self._fault = _Fault(self.device)
-        pending: List[torch.Tensor] = []
-        t0, seen = time.perf_counter(), 0
-        bar = tqdm(self.train_loader, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
-                   disable=not cfg.progress or self.dist.rank != 0, dynamic_ncols=True,
-                   leave=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        for i, (images, targets) in enumerate(bar):
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                break
-            images = [im.as_subclass(torch.Tensor).to(self.device, non_blocking=True)
-                      for im in images]
-            loss, losses, last_micro = self._detection_step(
-                i, images, _to_device(targets, self.device))
-            if sums is None:
-                names = list(losses)
-                sums = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
-            n = len(images)
-            parts = [loss.detach()] + [losses[k].detach() for k in names]
-            sums += torch.stack(parts).double() * n
-            seen += n
-            if not last_micro:
-                continue
-            self._optimizer_step()
-            pending.append(loss.detach())
-            if self.step % cfg.log_interval:
-                continue
-            loss_sum = self._read(sums, pending)[0]
-            rate = seen * self.dist.world_size / (time.perf_counter() - t0)
-            running = {"loss": loss_sum / seen, "lr": self.optimizer.param_groups[0]["lr"],
-                       "samples_per_s": rate, "peak_mem_mb": peak_mem_mb(self.device)}
-            self._write_scalars("train", running)
-            bar.set_postfix(loss=f"{running['loss']:.4f}", lr=f"{running['lr']:.2e}",
-                            samples_s=f"{rate:.1f}", mem_mb=f"{running['peak_mem_mb']:.0f}",
-                            refresh=False)
-        bar.close()
-        if sums is None:  # no batch ran (max_steps reached): nothing to report
-            sums = torch.zeros(1, dtype=torch.float64, device=self.device)
-        totals = torch.cat([sums, sums.new_full((1,), float(seen))])
-        values = self._read(dist_lib.all_reduce(totals, self.dist), pending)
-        count = max(values[-1], 1)
-        elapsed = time.perf_counter() - t0
-        record = {"train_loss": values[0] / count}
-        record.update({f"train_{k}": v / count for k, v in zip(names, values[1:-1])})
-        record.update({"lr": self.optimizer.param_groups[0]["lr"], "time_s": elapsed,
-                       "samples_per_s": values[-1] / elapsed})
+    def _micro_step(
+        self, i: int, batch: Any
+    ) -> Tuple[torch.Tensor, int, torch.Tensor, bool]:
+        """As a classifier's; the row is loss x n, then each named loss x n, the names those
+        of the epoch's first batch."""
+        images, targets = batch
+        images = [im.as_subclass(torch.Tensor).to(self.device, non_blocking=True)
+                  for im in images]
+        loss, losses, last_micro = self._detection_step(
+            i, images, _to_device(targets, self.device))
+        if i == 0:
+            self._loss_names = list(losses)
+        n = len(images)
+        parts = [loss.detach()] + [losses[k].detach() for k in self._loss_names]
+        return loss, n, torch.stack(parts).double() * n, last_micro
+
+    def _zero_sums(self) -> torch.Tensor:
+        self._loss_names = []
+        return torch.zeros(1, dtype=torch.float64, device=self.device)
+
+    def _train_record(self, sums: List[float], count: float) -> Dict[str, Any]:
+        record = {"train_loss": sums[0] / count}
+        record.update({f"train_{k}": v / count for k, v in zip(self._loss_names, sums[1:])})
         return record
 
     @torch.no_grad()
@@ -256,29 +220,22 @@ class DetectionRun:
 
     BEST_KEY = "bbox_AP"
 
-    def _run_epoch(self) -> Dict[str, Any]:
-        """One epoch: train, evaluate, checkpoint, record."""
-        record = self.train_epoch()
-        record.update(self.evaluate())
-        self.epoch += 1
-        metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
-        metrics["peak_mem_mb"] = peak_mem_mb(self.device)
-        metrics.update(self._coupling_record())
+    def _check_finite(self, metrics: Dict[str, Any]) -> None:
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             # AP does not go NaN with the weights: look at them, so 'last' stays good.
             raise NonFiniteLossError(
                 f"the weights are no longer finite after epoch {self.epoch} and were not "
                 f"saved; {self._kept()}. Lower --lr, raise --warmup-epochs or keep --clip-grad"
             )
-        self.save(metrics)
-        self._append_metrics(metrics)
-        self._write_scalars("epoch", {k: v for k, v in metrics.items()
-                                      if k not in ("type", "epoch", "step")})
+
+    def _epoch_scalars(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: v for k, v in metrics.items() if k not in ("type", "epoch", "step")}
+
+    def _epoch_line(self, metrics: Dict[str, Any]) -> str:
         aps = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("bbox_AP", "bbox_AP50", "segm_AP")
                         if k in metrics)
-        self._log(f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, {aps} "
-                  f"({metrics['samples_per_s']:.1f} images/s)")
-        return metrics
+        return (f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, {aps} "
+                f"({metrics['samples_per_s']:.1f} images/s)")
 
     def _train_epochs(self) -> Dict[str, Any]:
         summary = super()._train_epochs()

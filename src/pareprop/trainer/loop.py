@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -78,24 +78,36 @@ class TrainLoop:
             f"--warmup-epochs, keep --clip-grad{_precision_advice(self.cfg.amp)}"
         )
 
-    def _forward_backward(
-        self, i: int, x: torch.Tensor, y: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, bool]:
-        """Micro-batch ``i``: forward, loss and backward; (loss, logits, ends a step)."""
+    def _backward(
+        self, i: int, forward: Callable[[], Tuple[torch.Tensor, Any]]
+    ) -> Tuple[torch.Tensor, Any, bool]:
+        """Micro-batch ``i``: ``forward()`` (the loss and what else it returns), then the
+        backward of its share of the step; (loss, what else, ends a step)."""
         accum = self.cfg.grad_accum
         in_group = min(accum, self.micro_per_epoch - (i // accum) * accum)
         last_micro = (i + 1) % accum == 0 or i + 1 == self.micro_per_epoch
         # Micro-batches before the last one of a step only accumulate locally.
         sync = nullcontext() if last_micro else dist_lib.no_sync(self.net)
         with sync:
+            loss, out = forward()
+            self._fault.note(loss, "loss", self.step)
+            self.scaler.scale(loss / in_group).backward()
+        return loss, out, last_micro
+
+    def _forward_backward(
+        self, i: int, x: torch.Tensor, y: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+        """Micro-batch ``i``: forward, loss and backward; (loss, logits, ends a step)."""
+
+        def forward() -> Tuple[torch.Tensor, torch.Tensor]:
             with self._autocast():
                 logits = self.net(x)
                 loss = F.cross_entropy(
                     logits.float(), y, label_smoothing=self.cfg.label_smoothing
                 )
-            self._fault.note(loss, "loss", self.step)
-            self.scaler.scale(loss / in_group).backward()
-        return loss, logits, last_micro
+            return loss, logits
+
+        return self._backward(i, forward)
 
     def _optimizer_step(self) -> None:
         """Clip, step, and advance the schedule by one optimizer step."""
@@ -136,15 +148,45 @@ class TrainLoop:
                                    f"step {int(step) + 1}")
         return values[:n]
 
+    # The progress bar's samples/s: whole samples for a classifier, tenths of images for a
+    # detector (slow enough for the tenths to matter).
+    RATE_FORMAT = ".0f"
+
+    def _micro_step(
+        self, i: int, batch: Any
+    ) -> Tuple[torch.Tensor, int, torch.Tensor, bool]:
+        """Micro-batch ``i`` of the epoch, forward and backward: (loss, samples, the float64
+        row added to the epoch's device sums, ends a step). Here the row is loss x n and the
+        correct answers."""
+        x, y = batch
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        loss, logits, last_micro = self._forward_backward(i, x, y)
+        n = y.shape[0]
+        correct = (logits.argmax(-1) == y).sum()
+        return loss, n, torch.stack([loss.detach().double() * n, correct.double()]), last_micro
+
+    def _zero_sums(self) -> torch.Tensor:
+        """The epoch's device sums when no micro-batch ran."""
+        return torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def _train_record(self, sums: List[float], count: float) -> Dict[str, Any]:
+        """The epoch's own numbers from its summed rows over ``count`` samples (at least 1)."""
+        loss_sum, correct = sums
+        return {"train_loss": loss_sum / count, "train_acc": correct / count}
+
     def train_epoch(self) -> Dict[str, Any]:
+        """One epoch of micro-batches (:meth:`_micro_step`) and optimizer steps, the running
+        numbers read every log interval; the epoch's record."""
         from tqdm import tqdm
 
         cfg = self.cfg
         self.net.train()
         self.sampler.set_epoch(self.epoch)
         # On the device, read every log interval (NOTE [ Reading the device once per log
-        # interval ]): loss * n and correct summed in float64; the samples counted here.
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # interval ]): the micro-steps' rows summed in float64, sized at the first batch;
+        # the samples counted here.
+        sums: Optional[torch.Tensor] = None
         self._fault = _Fault(self.device)
         losses: List[torch.Tensor] = []  # each step's loss, until the next read
         t0, seen = time.perf_counter(), 0
@@ -156,15 +198,13 @@ class TrainLoop:
             leave=True,
         )
         self.optimizer.zero_grad(set_to_none=True)
-        for i, (x, y) in enumerate(bar):
+        for i, batch in enumerate(bar):
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 break
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            loss, logits, last_micro = self._forward_backward(i, x, y)
-            n = y.shape[0]
-            correct = (logits.argmax(-1) == y).sum()
-            sums += torch.stack([loss.detach().double() * n, correct.double()])
+            loss, n, row, last_micro = self._micro_step(i, batch)
+            if sums is None:
+                sums = torch.zeros_like(row)
+            sums += row
             seen += n
             if not last_micro:
                 continue
@@ -172,27 +212,28 @@ class TrainLoop:
             losses.append(loss.detach())
             if self.step % cfg.log_interval:
                 continue
-            loss_sum, _ = self._read(sums, losses)
+            loss_sum = self._read(sums, losses)[0]
             rate = seen * self.dist.world_size / (time.perf_counter() - t0)
             running = {"loss": loss_sum / seen, "lr": self.optimizer.param_groups[0]["lr"],
                        "samples_per_s": rate, "peak_mem_mb": peak_mem_mb(self.device)}
             self._write_scalars("train", running)
             bar.set_postfix(
                 loss=f"{running['loss']:.4f}", lr=f"{running['lr']:.2e}",
-                samples_s=f"{rate:.0f}", mem_mb=f"{running['peak_mem_mb']:.0f}", refresh=False,
+                samples_s=f"{rate:{self.RATE_FORMAT}}", mem_mb=f"{running['peak_mem_mb']:.0f}",
+                refresh=False,
             )
         bar.close()
+        if sums is None:  # no batch ran (max_steps reached)
+            sums = self._zero_sums()
         # The epoch's totals over every process, read with the rest in one transfer.
         totals = torch.cat([sums, sums.new_full((1,), float(seen))])
-        loss_sum, correct, count = self._read(dist_lib.all_reduce(totals, self.dist), losses)
+        values = self._read(dist_lib.all_reduce(totals, self.dist), losses)
+        count = values[-1]
         elapsed = time.perf_counter() - t0
-        return {
-            "train_loss": loss_sum / max(count, 1),
-            "train_acc": correct / max(count, 1),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "time_s": elapsed,
-            "samples_per_s": count / elapsed,
-        }
+        record = self._train_record(values[:-1], max(count, 1))
+        record.update({"lr": self.optimizer.param_groups[0]["lr"], "time_s": elapsed,
+                       "samples_per_s": count / elapsed})
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:

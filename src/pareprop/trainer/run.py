@@ -140,6 +140,15 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
         metrics = {"type": "epoch", "epoch": self.epoch, "step": self.step, **record}
         metrics["peak_mem_mb"] = peak_mem_mb(self.device)
         metrics.update(self._coupling_record())
+        self._check_finite(metrics)
+        self.save(metrics)
+        self._append_metrics(metrics)
+        self._write_scalars("epoch", self._epoch_scalars(metrics))
+        self._log(self._epoch_line(metrics))
+        return metrics
+
+    def _check_finite(self, metrics: Dict[str, Any]) -> None:
+        """Stop before saving weights that are no longer finite."""
         if not math.isfinite(metrics["val_loss"]):
             # Non-finite weights (a step that overflowed without a non-finite loss) must
             # not become 'last': that would lose the last good checkpoint.
@@ -148,15 +157,18 @@ class Trainer(RunReport, RunDirectory, RunSetup, TrainState, TrainLoop):
                 f"weights are no longer finite and were not saved; {self._kept()}. Lower "
                 f"--lr, raise --warmup-epochs or keep --clip-grad"
             )
-        self.save(metrics)
-        self._append_metrics(metrics)
-        self._write_scalars("epoch", {k: metrics[k] for k in EPOCH_SCALARS})
-        self._log(
+
+    def _epoch_scalars(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """The epoch's numbers written to TensorBoard."""
+        return {k: metrics[k] for k in EPOCH_SCALARS}
+
+    def _epoch_line(self, metrics: Dict[str, Any]) -> str:
+        """The epoch's line in the log."""
+        return (
             f"epoch {self.epoch}: train_loss {metrics['train_loss']:.4f}, val_loss "
             f"{metrics['val_loss']:.4f}, val_acc {metrics['val_acc']:.4f} "
             f"({metrics['samples_per_s']:.0f} samples/s)"
         )
-        return metrics
 
 
 class DetectionTrainer(DetectionRun, DetectionSetup, DetectionLoop, Trainer):
