@@ -162,7 +162,8 @@ class DetectionSetup(RunSetup):
 
 
 class DetectionLoop(TrainLoop):
-    """A detection epoch (NOTE [ A detection step ]) and its COCO evaluation."""
+    """A detection epoch (NOTE [ A detection step ]): the classifier's
+    :meth:`~TrainLoop.train_epoch` with a detector's micro-step and record; COCO evaluation."""
 
     RATE_FORMAT = ".1f"
 
@@ -214,8 +215,9 @@ class DetectionLoop(TrainLoop):
 
 
 class DetectionRun:
-    """A detection run's epoch record, picture, checkpoint evaluation and summary, in place of
-    the :class:`~pareprop.trainer.Trainer`'s (``DetectionTrainer`` in run.py puts them
+    """A detection run's epoch checks and lines (the hooks of the trainer's ``_run_epoch``),
+    picture, checkpoint evaluation and summary, in place of the
+    :class:`~pareprop.trainer.Trainer`'s (``DetectionTrainer`` in run.py puts them
     first); the ``best`` checkpoint is the one of the highest box AP."""
 
     BEST_KEY = "bbox_AP"
