@@ -42,14 +42,13 @@ from pareprop.memory.fake_modes import cpu_linspace, planning_values
 from pareprop.memory.measure import StepPeakTracker, apply_engine
 from pareprop.memory.report import MemoryReport
 from pareprop.memory.step import (
-    FLOOR_MAPS,
     _SavedBytes,
     _StreamBytes,
     amp_dtype,
     amp_label,
     create_optimizer_state,
+    finish_counts,
     make_optimizer,
-    state_tensors,
     unique_bytes,
 )
 from pareprop.memory.units import parse_memory
@@ -293,11 +292,7 @@ def detector_step(detector: nn.Module, images: List[torch.Tensor], targets: List
     finally:
         if collecting:
             gc.enable()
-    counts["optimizer_state"] = unique_bytes(state_tensors(optimizer))
-    counts["floor"] = 0 if not streams.largest else (
-        counts["parameters"] + counts["gradients"] + counts["optimizer_state"]
-        + counts["inputs"] + FLOOR_MAPS * streams.largest)
-    return counts
+    return finish_counts(counts, optimizer, streams)
 
 
 def synthetic_targets(num_images: int, image_size: Tuple[int, int], num_classes: int,

@@ -144,6 +144,12 @@ def run_step(
     counts["gradients"] = unique_bytes(p.grad for p in model.parameters())
     if optimizer is not None:
         optimizer.step()
+    return finish_counts(counts, optimizer, streams)
+
+
+def finish_counts(counts: Dict[str, int], optimizer: Any, streams: Any) -> Dict[str, int]:
+    """A step's counts completed after its optimizer step: the optimizer state and the floor
+    (NOTE [ The floor of a reversible step ]; 0 without a reversible stream)."""
     counts["optimizer_state"] = unique_bytes(state_tensors(optimizer))
     counts["floor"] = 0 if not streams.largest else (
         counts["parameters"] + counts["gradients"] + counts["optimizer_state"]
