@@ -281,12 +281,11 @@ def test_converted_vit_with_timms_swiglu_mlp_equals_autograd_with_chunks():
     assert err < TOL, f"{engine} {key} relative error {err:.3e}"
 
 
-def test_plan_with_chunk_bytes_plans_less_on_rev_mvit_or_refuses(monkeypatch, capsys):
+@pytest.mark.slow
+def test_plan_with_chunk_bytes_plans_less_on_rev_mvit():
     # Rev-MViT (v1) chunks its reversible blocks and, checkpointed, its transitions: the plan
-    # with a chunk size is lower (on main it printed the same peak beside the chunk size).
-    from pareprop.cli import plan as plan_cli
+    # with a chunk size is lower (it once printed the same peak beside the chunk size).
     from pareprop.memory import plan_memory
-    from pareprop.models.rev_mvit import RevMViTv1Block
 
     torch.set_default_dtype(torch.float32)  # planned as trained (the fixture puts it back)
     kw = dict(device="cpu", num_classes=10, img_size=32, embed_dim=8, depth=7,
@@ -295,7 +294,13 @@ def test_plan_with_chunk_bytes_plans_less_on_rev_mvit_or_refuses(monkeypatch, ca
     chunked = plan_memory("rev_mvit_base", 16, "reversible", chunk_bytes="128KiB", **kw)
     assert chunked.chunk_bytes == 128 * 2**10
     assert chunked.peak < 0.9 * whole.peak, (chunked.peak, whole.peak)
+
+
+def test_plan_with_chunk_bytes_refuses_a_block_that_cannot_split(monkeypatch, capsys):
     # A block that cannot split: one line naming it, exit 2, no chunk size printed.
+    from pareprop.cli import plan as plan_cli
+    from pareprop.models.rev_mvit import RevMViTv1Block
+
     monkeypatch.setattr(RevMViTv1Block, "f_split", pareprop.ReversibleBlock.f_split)
     monkeypatch.setattr(RevMViTv1Block, "g_split", pareprop.ReversibleBlock.g_split)
     code = plan_cli.main(["--models", "rev_mvit_base", "--engines", "reversible",

@@ -183,7 +183,8 @@ def test_help_shows_what_it_means(command, capsys):
         assert ">= 95% validation accuracy" in " ".join(out.split())
 
 
-@pytest.mark.parametrize("clip", [["--num-frames", "3"], ["--img-size", "30"]])
+@pytest.mark.parametrize("clip", [
+    ["--num-frames", "3"], pytest.param(["--img-size", "30"], marks=pytest.mark.slow)])
 def test_plan_of_mvit_v1_b_at_a_clip_size_off_its_strides(clip, tmp_path, capsys):
     # 3 frames through the patch embedding (kernel 3, stride 2, padding 1) are 2 time steps,
     # not 3 // 2; 30 px (kernel 7, stride 4, padding 3) are 8 rows, not 30 // 4

@@ -22,10 +22,10 @@ from pareprop.engine.chunk_cost import Chunking
 from pareprop.memory.detection import synthetic_targets
 
 VITDET = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_indexes=(0, 2),
-              img_size=128, pretrain_img_size=64, coupling=(0.5, 0.5), tolerance=None)
+              img_size=64, pretrain_img_size=32, coupling=(0.5, 0.5), tolerance=None)
 MVIT = dict(embed_dim=8, depth=6, num_heads=1, last_block_indexes=(1, 3, 4, 5), img_size=64,
             adaptive_window_size=6, adaptive_kv_stride=2, coupling=(0.5, 0.5), tolerance=None)
-CASES = {"detectron2:vitdet_b": (VITDET, 128), "detectron2:mvitv2_t": (MVIT, 64)}
+CASES = {"detectron2:vitdet_b": (VITDET, 64), "detectron2:mvitv2_t": (MVIT, 64)}
 HEADS = dict(rpn_pre_nms_top_n_train=40, rpn_post_nms_top_n_train=16,
              box_batch_size_per_image=8, rpn_batch_size_per_image=64, heads="vitdet")
 

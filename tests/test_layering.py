@@ -16,6 +16,7 @@ import is only for an optional or heavy third-party module (matplotlib, FakeTens
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 from typing import Dict, List, Set, Tuple
@@ -154,12 +155,19 @@ def _targets(module: str, node: ast.AST) -> List[str]:
     return list(dict.fromkeys(out))
 
 
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    # Parsed once for the whole module: every check walks the same sources.
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
 def _imports() -> Tuple[Dict[str, Set[str]], List[str]]:
     """Import graph of pareprop's modules, and the function-local imports of pareprop."""
     graph: Dict[str, Set[str]] = {m: set() for m in MODULES}
     local: List[str] = []
     for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _tree(path)
         in_function = set()
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -311,7 +319,7 @@ def test_no_import_of_another_packages_private_names():
     # package: what a package keeps private is for its own modules.
     found = []
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom):
                 base = _resolve(module, node)
                 named = [f"{base}.{a.name}" for a in node.names]
@@ -334,7 +342,7 @@ def _engine_private_attributes() -> Set[str]:
     for module, path in MODULES.items():
         if _unit(module) != "pareprop.engine":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                     and isinstance(node.value, ast.Name) and node.value.id == "self"
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
@@ -352,7 +360,7 @@ def test_no_reach_into_the_engines_private_attributes():
     for module, path in MODULES.items():
         if _unit(module) == "pareprop.engine":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and node.attr in private:
                 found.append(f"{path.relative_to(SRC)}:{node.lineno} reaches {node.attr}")
     assert not found, ("private attributes of the engine's objects used outside "
@@ -390,7 +398,7 @@ def test_few_modules_at_the_top():
 def _functions() -> List[Tuple[str, ast.FunctionDef]]:
     out = []
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 out.append((module, node))
     return out

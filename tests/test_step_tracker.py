@@ -130,6 +130,7 @@ def test_a_real_chunked_step_counts_what_the_cpu_allocator_holds(name, tmp_path)
     assert real.peak == pytest.approx(allocated, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_plan_does_not_depend_on_the_collector(monkeypatch):
     # NOTE [ A count that does not depend on the collector ]: the counted step runs with the
     # collector off; with it on and running every 20 allocations, the same plan.

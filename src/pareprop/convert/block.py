@@ -25,8 +25,8 @@ from torchvision.ops import StochasticDepth
 from pareprop.chunking import Chunk, dropout, whole_shape
 from pareprop.engine import ReversibleBlock
 
-__all__ = ["CoupledBlock", "drop_path_samples", "fused_attention_dropout", "sliced_dropouts",
-           "stochastic_depth_samples"]
+__all__ = ["CoupledBlock", "drop_path_samples", "fused_attention_dropout", "sample_draws",
+           "sliced_dropouts", "stochastic_depth_samples"]
 
 
 class CoupledBlock(ReversibleBlock):
@@ -130,3 +130,24 @@ def stochastic_depth_samples(module: StochasticDepth, x: torch.Tensor,
     if survival > 0.0:
         noise.div_(survival)
     return x * chunk.take(noise, 0, rows)
+
+
+@contextlib.contextmanager
+def sample_draws(module: nn.Module, chunk: Chunk) -> Iterator[None]:
+    """While inside, the drop-path layers (timm's ``DropPath``, torchvision's row-wise
+    ``StochasticDepth``) and dropouts of ``module`` (a source block kept as it is) draw
+    ``chunk``'s slice of the samples' draw of the whole batch."""
+    paths = []
+    for m in module.modules():
+        if isinstance(m, TimmDropPath) and m.training and m.drop_prob > 0.0:
+            paths.append((m, drop_path_samples))
+        elif isinstance(m, StochasticDepth) and m.training and m.p > 0.0 and m.mode == "row":
+            paths.append((m, stochastic_depth_samples))  # "batch" mode draws alike on a chunk
+    for m, on_samples in paths:
+        m.forward = functools.partial(on_samples, m, chunk=chunk)
+    try:
+        with sliced_dropouts(module, chunk, dim=0):
+            yield
+    finally:
+        for m, _ in paths:
+            del m.forward

@@ -24,15 +24,12 @@ as timm does, and the head reads it from the final norm.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
 import torch.nn as nn
-from timm.layers import DropPath as TimmDropPath
 from timm.models._builder import build_model_with_cfg
 from timm.models.mvitv2 import (
     MultiScaleBlock,
@@ -113,22 +110,6 @@ class ConvertedMultiScaleBlock(CoupledBlock):
         return self.alpha * x + self.drop_path2(h)
 
 
-@contextlib.contextmanager
-def sample_draws(module: nn.Module, chunk: Chunk) -> Iterator[None]:
-    """While inside, the drop-path and dropout layers of ``module`` (a timm block kept as it
-    is) draw ``chunk``'s slice of the samples' draw of the whole batch."""
-    paths = [m for m in module.modules()
-             if isinstance(m, TimmDropPath) and m.training and m.drop_prob > 0.0]
-    for m in paths:
-        m.forward = functools.partial(drop_path_samples, m, chunk=chunk)
-    try:
-        with sliced_dropouts(module, chunk, dim=0):
-            yield
-    finally:
-        for m in paths:
-            del m.forward
-
-
 def check_convertible(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError`, saying why, unless ``model`` is timm's
     ``MultiScaleVit`` itself with timm's ``MultiScaleBlock`` blocks."""
@@ -188,7 +169,7 @@ class ConvertedMultiScaleVit(ReversibleModelMixin, nn.Module):
         self.pos_embed = source.pos_embed
         self.stages = nn.ModuleList(
             CoupledRuns(stage.blocks, keeps_shape, ConvertedMultiScaleBlock, engine,
-                        size_keyword="feat_size", sample_draws=sample_draws)
+                        size_keyword="feat_size")
             for stage in source.stages)
         self.norm = source.norm
         self.head = source.head

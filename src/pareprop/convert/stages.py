@@ -14,8 +14,9 @@ transitions of Rev-MViT) is the source's own block, run by its own ``forward``, 
 the stack's ``Y2`` the engines keep anyway, NOTE [ Checkpointing what is not reversible ] in
 pareprop/engine/recompute.py). With the stacks' branches chunked (``set_chunking``) it is
 checkpointed in chunks of samples as Rev-MViT's transitions are (NOTE [ Checkpointed blocks in
-chunks ]): each of its layers acts on a sample alone, and while a chunk runs the family's
-``sample_draws`` make its random layers draw the chunk's slice of the whole batch's draw.
+chunks ]): each of its layers acts on a sample alone, and while a chunk runs,
+:func:`~pareprop.convert.block.sample_draws` makes its random layers draw the chunk's slice of
+the whole batch's draw.
 The map's size is a constant keyword of the stacks, as ``hw`` of Rev-MViT's.
 
 :class:`CoupledRuns` holds the parts in the source's order under ``parts`` (``parts.4`` a stack
@@ -26,13 +27,13 @@ in pareprop/convert/source.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from pareprop.chunking import Chunk, Split
-from pareprop.convert.block import CoupledBlock
+from pareprop.convert.block import CoupledBlock, sample_draws
 from pareprop.engine import ReversibleStack
 from pareprop.engine.recompute import maybe_checkpoint
 
@@ -58,8 +59,6 @@ class CoupledRuns(nn.Module):
         coupled: the coupled block of a block that keeps its shape.
         engine: the stacks' backward engine.
         size_keyword: the keyword the coupled blocks' ``f`` and ``g`` take the map size by.
-        sample_draws: a context in which a kept block's random layers draw a chunk of
-            samples' slice of the whole batch's draw.
     """
 
     def __init__(
@@ -69,7 +68,6 @@ class CoupledRuns(nn.Module):
         coupled: Callable[[nn.Module], CoupledBlock],
         engine: str,
         size_keyword: str,
-        sample_draws: Callable[[nn.Module, Chunk], ContextManager[None]],
     ):
         super().__init__()
         self.size_keyword = size_keyword
@@ -88,7 +86,7 @@ class CoupledRuns(nn.Module):
         self.parts = nn.ModuleList(
             ReversibleStack(run, engine=engine) if isinstance(run, list) else run for run in runs)
         # The kept blocks as maybe_checkpoint takes them (not modules: no new state-dict names).
-        self._kept = {p: KeptBlock(part, sample_draws) for p, part in enumerate(self.parts)
+        self._kept = {p: KeptBlock(part) for p, part in enumerate(self.parts)
                       if not isinstance(part, ReversibleStack)}
         self.grad_checkpointing = False  # set by the model's set_grad_checkpointing
 
@@ -131,9 +129,8 @@ class KeptBlock:
     recorded), and the ``split`` and ``forward_chunk`` of NOTE [ Checkpointed blocks in chunks ]
     (every layer of an MViT block acts on each sample alone)."""
 
-    def __init__(self, block: nn.Module,
-                 sample_draws: Callable[[nn.Module, Chunk], ContextManager[None]]):
-        self.block, self.sample_draws = block, sample_draws
+    def __init__(self, block: nn.Module):
+        self.block = block
         self.size: Any = None  # the input map's (H, W) or (T, H, W)
         self.out_size: Any = None
 
@@ -148,6 +145,6 @@ class KeptBlock:
         return Split.samples(x.shape[0])
 
     def forward_chunk(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        with self.sample_draws(self.block, chunk):
+        with sample_draws(self.block, chunk):
             x, self.out_size = self.block(x, self.size)
         return x

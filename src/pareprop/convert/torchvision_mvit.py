@@ -28,16 +28,13 @@ models do, and ``forward`` is the two.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torchvision
 from timm.models._features import feature_take_indices
 from torchvision.models.video.mvit import MSBlockConfig, MultiscaleBlock, MViT
-from torchvision.ops import StochasticDepth
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, sliced_dropouts, stochastic_depth_samples
@@ -115,22 +112,6 @@ class ConvertedMultiscaleBlock(CoupledBlock):
         return self.alpha * x + self.stochastic_depth(h)
 
 
-@contextlib.contextmanager
-def sample_draws(module: nn.Module, chunk: Chunk) -> Iterator[None]:
-    """While inside, the stochastic depth and dropout layers of ``module`` (a torchvision block
-    kept as it is) draw ``chunk``'s slice of the samples' draw of the whole batch."""
-    depths = [m for m in module.modules() if isinstance(m, StochasticDepth)
-              and m.training and m.p > 0.0 and m.mode == "row"]  # the others draw alike
-    for m in depths:
-        m.forward = functools.partial(stochastic_depth_samples, m, chunk=chunk)
-    try:
-        with sliced_dropouts(module, chunk, dim=0):
-            yield
-    finally:
-        for m in depths:
-            del m.forward
-
-
 def check_convertible(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError`, saying why, unless ``model`` is torchvision's
     ``MViT`` itself with LayerNorm ``MultiscaleBlock`` blocks."""
@@ -174,7 +155,7 @@ class ConvertedMViT(ReversibleModelMixin, nn.Module):
         self.conv_proj = source.conv_proj
         self.pos_encoding = source.pos_encoding
         self.encoder = CoupledRuns(source.blocks, keeps_shape, ConvertedMultiscaleBlock, engine,
-                                   size_keyword="thw", sample_draws=sample_draws)
+                                   size_keyword="thw")
         self.norm = source.norm
         self.head = source.head  # Sequential(Dropout, Linear): torchvision's names head.1.*
         self.in_chans = source.conv_proj.in_channels

@@ -31,7 +31,6 @@ from timm.layers import DropPath, Mlp
 
 from pareprop.chunking import Chunk, Split
 from pareprop.convert.block import CoupledBlock, drop_path_samples
-from pareprop.convert.mvitv2 import sample_draws
 from pareprop.convert.source import keep_source_names
 from pareprop.convert.stages import CoupledRuns
 from pareprop.detection.detectron2._backbone import cfg_with, init_weights, pos_embed_table
@@ -295,7 +294,7 @@ class MViT(nn.Module):
         bounds = [0] + [i + 1 for i in cfg.last_block_indexes]
         self.stages = nn.ModuleList(
             CoupledRuns(blocks[a:b], keeps_shape, CoupledMultiScaleBlock, engine,
-                        size_keyword="hw", sample_draws=sample_draws)
+                        size_keyword="hw")
             for a, b in zip(bounds, bounds[1:]))
         self.out_features = [f"scale{s + 2}" for s in range(4)]
         for name, width in zip(self.out_features, widths):
