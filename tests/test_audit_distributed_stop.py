@@ -2,15 +2,14 @@
 that found it names it, the others say another process found it, and all stop at the same
 read (none is left waiting in a collective for a peer that has gone). Two gloo processes."""
 
-import datetime
 import os
 
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from _two_processes import on_two_processes
 from pareprop.distributed.fsdp import fsdp_available
 
 pytestmark = [  # slow: a spawned process pair (README, Development)
@@ -50,23 +49,14 @@ def _run(out, fsdp, rank):
         F.cross_entropy = real
 
 
-def _worker(rank, world, init_file, tmp, modes):
-    torch.set_num_threads(1)
-    # A process left waiting for a peer that stopped fails in seconds, not in 30 minutes.
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {mode: _run(os.path.join(tmp, mode), mode == "fsdp", rank) for mode in modes}
-        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world, tmp, modes):
+    return {mode: _run(os.path.join(tmp, mode), mode == "fsdp", rank) for mode in modes}
 
 
 def test_a_nan_on_one_process_stops_every_process(tmp_path):
     modes = ["ddp", "fsdp"] if fsdp_available() else ["ddp"]
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), modes), nprocs=2,
-             join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # A process left waiting for a peer that stopped fails in seconds, not in 30 minutes.
+    results = on_two_processes(_on_rank, tmp_path, str(tmp_path), modes, timeout_s=60)
     for mode in modes:
         found, told = results[1][mode], results[0][mode]
         assert found.startswith("NonFiniteLossError: loss is nan at epoch 1, step 2"), found

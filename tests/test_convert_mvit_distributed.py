@@ -3,14 +3,12 @@ torchvision's MViT at (alpha, beta) = (0.3, 0.5), several stacks and the blocks 
 source, every engine, one stored block, equal one process on the whole batch with plain
 autograd."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -67,31 +65,23 @@ def _cases():
         yield family, "pareprop", "fsdp", True
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
-    try:
-        results = {}
-        for family, engine, wrapper, stored in _cases():
-            x, y = _batch(family)
-            xs, ys = x[rank::world], y[rank::world]
-            model = _model(family, engine, stored)
-            if wrapper == "ddp":
-                net = wrap_ddp(model)
-            else:
-                net = fsdp.shard(model)
-            results[(family, engine, wrapper, stored)] = _step(model, net, xs, ys)
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world):
+    results = {}
+    for family, engine, wrapper, stored in _cases():
+        x, y = _batch(family)
+        xs, ys = x[rank::world], y[rank::world]
+        model = _model(family, engine, stored)
+        if wrapper == "ddp":
+            net = wrap_ddp(model)
+        else:
+            net = fsdp.shard(model)
+        results[(family, engine, wrapper, stored)] = _step(model, net, xs, ys)
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("convert_mvit_dist")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("convert_mvit_dist"))
 
 
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: "-".join(map(str, c)))

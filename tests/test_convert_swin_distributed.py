@@ -3,14 +3,12 @@ gloo processes, float64): at (alpha, beta) = (0.3, 0.5), every engine, several s
 checkpointed patch merging between them, one SGD step equals one process on the whole batch
 with plain autograd."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.convert.swin3d import build_swin3d
 from pareprop.convert.torchvision_swin import build_tv_swin
 from pareprop.distributed import fsdp, wrap_ddp
@@ -75,31 +73,23 @@ def _cases():
                 yield family, engine, wrapper
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
-    try:
-        results = {}
-        for family, engine, wrapper in _cases():
-            x, y = _batch(family)
-            xs, ys = x[rank::world], y[rank::world]
-            model = _model(family, engine)
-            if wrapper == "ddp":
-                results[(family, engine, wrapper)] = _step(model, wrap_ddp(model), xs, ys)
-            else:
-                fsdp.shard(model)
-                results[(family, engine, wrapper)] = _step(model, model, xs, ys)
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world):
+    results = {}
+    for family, engine, wrapper in _cases():
+        x, y = _batch(family)
+        xs, ys = x[rank::world], y[rank::world]
+        model = _model(family, engine)
+        if wrapper == "ddp":
+            results[(family, engine, wrapper)] = _step(model, wrap_ddp(model), xs, ys)
+        else:
+            fsdp.shard(model)
+            results[(family, engine, wrapper)] = _step(model, model, xs, ys)
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("swin_dist")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("swin_dist"))
 
 
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: "-".join(c))

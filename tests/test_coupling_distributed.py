@@ -2,15 +2,13 @@
 (alpha, beta) = (0.3, 0.5), every engine, one stored block, equals one process on the whole
 batch with plain autograd."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 from timm.models.vision_transformer import VisionTransformer
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -58,31 +56,23 @@ def _cases():
     yield "pareprop", "fsdp", (1,)
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
-    try:
-        x, y = _batch()
-        xs, ys = x[rank::world], y[rank::world]
-        results = {}
-        for engine, wrapper, stored in _cases():
-            model = _model(engine, stored)
-            if wrapper == "ddp":
-                results[(engine, wrapper, stored)] = _step(model, wrap_ddp(model), xs, ys)
-            else:
-                fsdp.shard(model)
-                results[(engine, wrapper, stored)] = _step(model, model, xs, ys)
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world):
+    x, y = _batch()
+    xs, ys = x[rank::world], y[rank::world]
+    results = {}
+    for engine, wrapper, stored in _cases():
+        model = _model(engine, stored)
+        if wrapper == "ddp":
+            results[(engine, wrapper, stored)] = _step(model, wrap_ddp(model), xs, ys)
+        else:
+            fsdp.shard(model)
+            results[(engine, wrapper, stored)] = _step(model, model, xs, ys)
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("coupling_dist")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("coupling_dist"))
 
 
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")

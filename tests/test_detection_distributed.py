@@ -12,14 +12,12 @@ all-reduce (every parameter reached, none twice).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.detection import create_detector
 from pareprop.distributed import wrap_ddp
 from pareprop.engine import ENGINES
@@ -67,27 +65,19 @@ def _grads(model, net, rank: int):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
-    try:
-        results = {}
-        for engine in ENGINES:
-            model = _model(engine)
-            results[engine] = _grads(model, wrap_ddp(model), rank)
-        model = pareprop.set_chunking(_model("reversible"), chunks=2)
-        results["chunked"] = _grads(model, wrap_ddp(model), rank)
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world):
+    results = {}
+    for engine in ENGINES:
+        model = _model(engine)
+        results[engine] = _grads(model, wrap_ddp(model), rank)
+    model = pareprop.set_chunking(_model("reversible"), chunks=2)
+    results["chunked"] = _grads(model, wrap_ddp(model), rank)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp_detection")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("ddp_detection"))
 
 
 @pytest.fixture(scope="module")

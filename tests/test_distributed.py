@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.distributed import check_wrapping, wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -53,43 +53,36 @@ def _step(model, net, batches, sync_all=False):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        x, y = _batch()
-        # This process's half of the global batch (see NOTE [ Batch size ] in trainer/setup.py).
-        xs, ys = x[rank::world], y[rank::world]
-        results = {}
-        for engine in ENGINES:
-            model = _model(engine).train()
-            results[(engine, 1)] = _step(model, wrap_ddp(model), [(xs, ys)])
-            model = _model(engine).train()
-            half = len(ys) // 2
-            micro = [(xs[:half], ys[:half]), (xs[half:], ys[half:])]
-            results[(engine, 2)] = _step(model, wrap_ddp(model), micro)
-        for engine in ENGINES[1:]:  # chunked branches (pareprop.set_chunking)
-            model = pareprop.set_chunking(_model(engine).train(), chunks=2)
-            results[(engine, "chunked")] = _step(model, wrap_ddp(model), [(xs, ys)])
-        model = _model("pareprop").train()
-        results[("pareprop", "static")] = _step(
-            model, wrap_ddp(model, static_graph=True), [(xs, ys)]
-        )
-        if _CAN_COMPILE:  # compiled F and G (pareprop.compile_blocks) under DDP
-            from pareprop.engine.compile import compile_blocks
+def _on_rank(rank, world):
+    x, y = _batch()
+    # This process's half of the global batch (see NOTE [ Batch size ] in trainer/setup.py).
+    xs, ys = x[rank::world], y[rank::world]
+    results = {}
+    for engine in ENGINES:
+        model = _model(engine).train()
+        results[(engine, 1)] = _step(model, wrap_ddp(model), [(xs, ys)])
+        model = _model(engine).train()
+        half = len(ys) // 2
+        micro = [(xs[:half], ys[:half]), (xs[half:], ys[half:])]
+        results[(engine, 2)] = _step(model, wrap_ddp(model), micro)
+    for engine in ENGINES[1:]:  # chunked branches (pareprop.set_chunking)
+        model = pareprop.set_chunking(_model(engine).train(), chunks=2)
+        results[(engine, "chunked")] = _step(model, wrap_ddp(model), [(xs, ys)])
+    model = _model("pareprop").train()
+    results[("pareprop", "static")] = _step(
+        model, wrap_ddp(model, static_graph=True), [(xs, ys)]
+    )
+    if _CAN_COMPILE:  # compiled F and G (pareprop.compile_blocks) under DDP
+        from pareprop.engine.compile import compile_blocks
 
-            model = compile_blocks(_model("reversible").train())
-            results[("reversible", "compiled")] = _step(model, wrap_ddp(model), [(xs, ys)])
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+        model = compile_blocks(_model("reversible").train())
+        results[("reversible", "compiled")] = _step(model, wrap_ddp(model), [(xs, ys)])
+    return results
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("ddp"))
 
 
 def _reference():

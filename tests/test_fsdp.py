@@ -4,15 +4,14 @@ batch: full gradients gathered from the shards, weights after an SGD step, with 
 accumulation, with one stored block and with the non-reversible blocks checkpointed (the video
 model's transitions too); each rank holds about half of the bytes."""
 
-import os
 import warnings
 
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 import pareprop
+from _two_processes import on_two_processes
 from pareprop.distributed import fsdp
 from pareprop.engine import ENGINES
 
@@ -118,24 +117,18 @@ def _cases():
             yield family, "pareprop", "grad_ckpt"
 
 
-def _worker(rank, world, init_file, out):
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
-    try:
-        results = {}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _run_cases(results, rank, world)
-        # FSDP2 warns once per unit that returns a view (its pre-backward hook sits on it).
-        results["view_warnings"] = sorted({str(w.message).split(")")[0] for w in caught
-                                           if "returned a view tensor" in str(w.message)})
-        for family in FAMILIES:
-            results[(family, "bytes")] = _bytes_per_rank(family, rank, world)
-        results["refused"] = _manual_block_wrapper_refused()
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        tdist.destroy_process_group()
+def _on_rank(rank, world):
+    results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_cases(results, rank, world)
+    # FSDP2 warns once per unit that returns a view (its pre-backward hook sits on it).
+    results["view_warnings"] = sorted({str(w.message).split(")")[0] for w in caught
+                                       if "returned a view tensor" in str(w.message)})
+    for family in FAMILIES:
+        results[(family, "bytes")] = _bytes_per_rank(family, rank, world)
+    results["refused"] = _manual_block_wrapper_refused()
+    return results
 
 
 def _run_cases(results, rank, world):
@@ -199,9 +192,7 @@ def _manual_block_wrapper_refused():
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return on_two_processes(_on_rank, tmp_path_factory.mktemp("fsdp"), weights_only=False)
 
 
 def _reference(family, variant):
