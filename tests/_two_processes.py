@@ -43,3 +43,18 @@ def on_two_processes(run: Callable[..., Any], tmp: pathlib.Path, *args: Any,
     mp.spawn(_worker, args=(WORLD, str(tmp), run, args, timeout_s), nprocs=WORLD, join=True)
     return [torch.load(pathlib.Path(tmp) / f"rank{r}.pt", weights_only=weights_only)
             for r in range(WORLD)]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a tensor FSDP2 shards (a DTensor); any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def sgd_step(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+             lr: float = 0.5) -> dict:
+    """One SGD step of ``net`` (``model`` itself or wrapped) on a classification batch: every
+    parameter of ``model`` after it, whole."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as tdist
 
 import pareprop
-from _two_processes import on_two_processes
+from _two_processes import on_two_processes, sgd_step
 from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -46,17 +46,6 @@ def _batch(family):
         0, 5, (BATCH,), generator=g)
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _step(model, net, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    torch.nn.functional.cross_entropy(net(x), y).backward()
-    opt.step()
-    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-
-
 def _cases():
     for family in FAMILIES:
         for engine in ENGINES:
@@ -75,7 +64,7 @@ def _on_rank(rank, world):
             net = wrap_ddp(model)
         else:
             net = fsdp.shard(model)
-        results[(family, engine, wrapper, stored)] = _step(model, net, xs, ys)
+        results[(family, engine, wrapper, stored)] = sgd_step(model, net, xs, ys, LR)
     return results
 
 
@@ -90,7 +79,7 @@ def test_two_processes_equal_one(results, case):
     x, y = _batch(family)
     model = _model(family, "autograd")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ref = _step(model, model, x, y)
+    ref = sgd_step(model, model, x, y, LR)
     # The key norm's bias gets no gradient (softmax ignores a shift shared by every key): its
     # update is rounding noise, measured against the largest update instead.
     largest = max((ref[n] - before[n]).norm().item() for n in ref)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as tdist
 
 import pareprop
-from _two_processes import on_two_processes
+from _two_processes import on_two_processes, sgd_step
 from pareprop.convert.swin3d import build_swin3d
 from pareprop.convert.torchvision_swin import build_tv_swin
 from pareprop.distributed import fsdp, wrap_ddp
@@ -55,17 +55,6 @@ def _batch(family):
         torch.randint(0, 5, (BATCH,), generator=g)
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _step(model, net, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    torch.nn.functional.cross_entropy(net(x), y).backward()
-    opt.step()
-    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-
-
 def _cases():
     for family in ("swin", "swinv2", "swin3d", "tv_swinv2"):
         for engine in ENGINES:
@@ -80,10 +69,10 @@ def _on_rank(rank, world):
         xs, ys = x[rank::world], y[rank::world]
         model = _model(family, engine)
         if wrapper == "ddp":
-            results[(family, engine, wrapper)] = _step(model, wrap_ddp(model), xs, ys)
+            results[(family, engine, wrapper)] = sgd_step(model, wrap_ddp(model), xs, ys, LR)
         else:
             fsdp.shard(model)
-            results[(family, engine, wrapper)] = _step(model, model, xs, ys)
+            results[(family, engine, wrapper)] = sgd_step(model, model, xs, ys, LR)
     return results
 
 
@@ -98,7 +87,7 @@ def test_two_processes_equal_one(results, case):
     x, y = _batch(family)
     model = _model(family, "autograd")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ref = _step(model, model, x, y)
+    ref = sgd_step(model, model, x, y, LR)
     for rank in range(2):
         got = results[rank][case]
         for name, want in ref.items():

@@ -8,7 +8,7 @@ import torch.distributed as tdist
 from timm.models.vision_transformer import VisionTransformer
 
 import pareprop
-from _two_processes import on_two_processes
+from _two_processes import on_two_processes, sgd_step
 from pareprop.distributed import fsdp, wrap_ddp
 from pareprop.engine import ENGINES
 
@@ -38,17 +38,6 @@ def _batch():
     return x, torch.randint(0, 5, (BATCH,), generator=g)
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _step(model, net, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    torch.nn.functional.cross_entropy(net(x), y).backward()
-    opt.step()
-    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-
-
 def _cases():
     for engine in ENGINES:
         yield engine, "ddp", ()
@@ -63,10 +52,10 @@ def _on_rank(rank, world):
     for engine, wrapper, stored in _cases():
         model = _model(engine, stored)
         if wrapper == "ddp":
-            results[(engine, wrapper, stored)] = _step(model, wrap_ddp(model), xs, ys)
+            results[(engine, wrapper, stored)] = sgd_step(model, wrap_ddp(model), xs, ys, LR)
         else:
             fsdp.shard(model)
-            results[(engine, wrapper, stored)] = _step(model, model, xs, ys)
+            results[(engine, wrapper, stored)] = sgd_step(model, model, xs, ys, LR)
     return results
 
 
@@ -80,7 +69,7 @@ def test_two_processes_equal_one_with_a_scaled_coupling(results, case):
     x, y = _batch()
     model = _model("autograd")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ref = _step(model, model, x, y)
+    ref = sgd_step(model, model, x, y, LR)
     for rank in range(2):
         got = results[rank][case]
         for name, want in ref.items():
