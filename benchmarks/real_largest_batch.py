@@ -154,7 +154,8 @@ class Case:
     def step(self, batch: int, on_oom: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
         """One training step at ``batch``: its peak, the chunk counts, or out of memory.
         ``on_oom`` is called when it runs out, while the failed step's tensors are alive."""
-        gc.collect()
+        if self.device.type == "cuda":
+            gc.collect()  # what the last case left, back to the device before the peak is reset
         record: Dict[str, Any] = dict(batch=batch)
         inputs = None
         try:
@@ -181,8 +182,10 @@ class Case:
         finally:
             del inputs
             self.optimizer.zero_grad(set_to_none=True)
-            gc.collect()
             if self.device.type == "cuda":
+                # The failed step's tensors back to the device before the next peak is read;
+                # a CPU step's peak is counted by tracking, whatever the collector holds.
+                gc.collect()
                 torch.cuda.empty_cache()
         return record
 
