@@ -422,7 +422,7 @@ def test_report_fits():
 
 @pytest.mark.parametrize("name, engine", [
     *[("rev_mvitv2_tiny_32", e) for e in ("autograd", "reversible", "pareprop")],
-    ("rev_swin_tiny_32", "autograd"),
+    pytest.param("rev_swin_tiny_32", "autograd", marks=SLOW),
     pytest.param("rev_swin_tiny_32", "reversible", marks=SLOW),
     pytest.param("rev_swin_tiny_32", "pareprop", marks=SLOW),
 ])

@@ -13,6 +13,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--models", "rev_vit_tiny_patch4_32", "--depth", "1", "--device", "cpu"]
 
 
+@pytest.mark.slow  # 16 plans; the quick tier writes plan.json and plan.png below
 def test_plan_writes_json_and_plot_with_the_largest_batch(tmp_path, capsys):
     # Deep enough that autograd's kept activations outgrow one block's rebuilt graph.
     memory = plan_memory("rev_vit_tiny_patch4_32", 8, "autograd", device="cpu", depth=6).peak
@@ -100,6 +101,7 @@ def test_plan_cli_shows_what_each_budget_gives(tmp_path, capsys):
     assert set(got) == {("autograd", None), ("reversible", 0.0), ("reversible", 1.0)}
     assert got[("reversible", 0.0)] < got[("reversible", 1.0)] == got[("autograd", None)]
     assert "reversible@0" in out and "reversible@1" in out
+    assert (tmp_path / "plan.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_a_budget_for_an_engine_without_stored_blocks_is_refused(tmp_path, capsys):

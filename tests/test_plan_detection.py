@@ -52,7 +52,8 @@ def _real(engine, amp, counts, gc=False):
 
 @pytest.mark.parametrize("engine,amp,gc", [
     pytest.param("reversible", None, False, marks=pytest.mark.slow),
-    ("checkpointed", "bf16", False), ("reversible", "bf16", True)])
+    pytest.param("checkpointed", "bf16", False, marks=pytest.mark.slow),
+    ("reversible", "bf16", True)])
 def test_plan_matches_a_real_step_at_the_worst_case(engine, amp, gc):
     counts = {}
     real = _real(engine, amp, counts, gc)
