@@ -25,7 +25,14 @@ VITDET = dict(embed_dim=32, depth=3, num_heads=2, window_size=4, window_block_in
               img_size=64, pretrain_img_size=32, coupling=(0.5, 0.5), tolerance=None)
 MVIT = dict(embed_dim=8, depth=6, num_heads=1, last_block_indexes=(1, 3, 4, 5), img_size=64,
             adaptive_window_size=6, adaptive_kv_stride=2, coupling=(0.5, 0.5), tolerance=None)
-CASES = {"detectron2:vitdet_b": (VITDET, 64), "detectron2:mvitv2_t": (MVIT, 64)}
+# pareprop's own backbones: torchvision's FPN over Rev-MViTv2's stages, ViTDet's simple
+# pyramid over Rev-ViT.
+REV_MVIT = dict(embed_dim=8, depth=4, last_block_indexes=[0, 1, 2, 3], window_size=8,
+                kv_stride=2, img_size=64, drop_path_rate=0.1)
+REV_VIT = dict(embed_dim=16, depth=2, num_heads=2, img_size=64)
+CASES = {"detectron2:vitdet_b": (VITDET, 64), "detectron2:mvitv2_t": (MVIT, 64),
+         "rev_mvitv2_tiny": (REV_MVIT, 64), "rev_vit_tiny_patch16_224": (REV_VIT, 64)}
+SLOW_CASES = ("rev_vit_tiny_patch16_224",)  # the quick tier has ViTDet's pyramid above
 HEADS = dict(rpn_pre_nms_top_n_train=40, rpn_post_nms_top_n_train=16,
              box_batch_size_per_image=8, rpn_batch_size_per_image=64, heads="vitdet")
 
@@ -50,20 +57,31 @@ def _step(det, size):
     return {k: v.detach() for k, v in losses.items()}, grads
 
 
-@pytest.mark.parametrize("backbone", sorted(CASES))
+def _pyramid_conv(det):
+    """A convolution of the pyramid (detectron2's ``simfp_*`` and ``fpn_*``, pareprop's
+    ``fpn``), not of the trunk."""
+    return next(m for n, m in det.named_modules()
+                if n.startswith(("backbone.simfp", "backbone.fpn"))
+                and isinstance(m, torch.nn.Conv2d))
+
+
+@pytest.mark.parametrize("backbone", [
+    pytest.param(b, marks=pytest.mark.slow) if b in SLOW_CASES else b for b in sorted(CASES)])
 def test_memory_light_step_has_the_same_losses_and_gradients(backbone):
     det, size = _detector(backbone)
     light = set_memory_light(copy.deepcopy(det))
     assert is_memory_light(light) and not is_memory_light(det)
-    calls = {"plain": 0, "light": 0}
+    calls = {(key, part): 0 for key in ("plain", "light") for part in ("rpn", "pyramid")}
     for key, model in (("plain", det), ("light", light)):
-        def count(*_, key=key):
-            calls[key] += 1
-        model.rpn.head.conv.register_forward_pre_hook(count)
+        for part, conv in (("rpn", model.rpn.head.conv), ("pyramid", _pyramid_conv(model))):
+            def count(*_, key=key, part=part):
+                calls[key, part] += 1
+            conv.register_forward_pre_hook(count)
     want_losses, want = _step(det, size)
     got_losses, got = _step(light, size)
-    # The option acts: the RPN head ran again in backward.
-    assert calls["light"] == 2 * calls["plain"] > 0
+    # The option acts: the RPN head and the pyramid ran again in backward.
+    for part in ("rpn", "pyramid"):
+        assert calls["light", part] == 2 * calls["plain", part] > 0, part
     assert want_losses.keys() == got_losses.keys()
     for k in want_losses:
         torch.testing.assert_close(got_losses[k], want_losses[k], rtol=0, atol=0)
@@ -90,10 +108,14 @@ def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():
     set_memory_light(det, False)
     assert "forward" not in det.rpn.head.__dict__ and not det.backbone.memory_light
     torch.manual_seed(0)
-    other = create_detector("fasterrcnn", "rev_vit_tiny_patch16_224", num_classes=3,
-                            backbone_args=dict(embed_dim=16, depth=2, num_heads=2, img_size=64))
+    ours = create_detector("fasterrcnn", "rev_vit_tiny_patch16_224", num_classes=3,
+                           backbone_args=dict(REV_VIT), memory_light=True)
+    assert ours.backbone.memory_light and ours.backbone.fpn.memory_light
+    set_memory_light(ours, False)
+    assert not ours.backbone.fpn.memory_light and "forward" not in ours.rpn.head.__dict__
+    ours.backbone = torch.nn.Conv2d(3, 8, 1)  # a backbone without the option
     with pytest.raises(ValueError, match="memory_light"):
-        set_memory_light(other)
+        set_memory_light(ours)
 
 
 def test_the_plan_of_a_memory_light_detector_keeps_less():
@@ -107,3 +129,13 @@ def test_the_plan_of_a_memory_light_detector_keeps_less():
     assert light.peak < plain.peak
     assert light.split["pyramid"] + light.split["heads"] < plain.split["pyramid"] + \
         plain.split["heads"]
+
+
+@pytest.mark.slow
+def test_the_plan_of_pareprops_own_memory_light_backbone_keeps_less_in_the_pyramid():
+    kw = dict(device="cpu", img_size=128, num_classes=3, gt_per_image=3, amp=None,
+              optimizer="none", backbone_args=dict(REV_MVIT, img_size=128), **HEADS)
+    plain = pareprop.plan_memory("maskrcnn:rev_mvitv2_tiny", 2, "reversible", **kw)
+    light = pareprop.plan_memory("maskrcnn:rev_mvitv2_tiny", 2, "reversible",
+                                 memory_light=True, **kw)
+    assert light.peak < plain.peak and light.split["pyramid"] < plain.split["pyramid"]

@@ -98,6 +98,16 @@ class PyramidBackbone(nn.Module):
             ]
         return self.fpn(features[0] if len(features) == 1 else features)
 
+    @property
+    def memory_light(self) -> bool:
+        """Whether the pyramid runs under activation checkpointing (NOTE [ A memory-light
+        detector ] in ``pareprop/detection/light.py``)."""
+        return bool(self.fpn.memory_light)
+
+    @memory_light.setter
+    def memory_light(self, enable: bool) -> None:
+        self.fpn.memory_light = bool(enable)
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """The trunk's ``set_grad_checkpointing``: its non-reversible blocks under activation
         checkpointing (the reversible stacks are their engine's business)."""

@@ -100,7 +100,7 @@ def create_detector(
         heads: ``"torchvision"`` (its defaults) or ``"vitdet"`` (2-conv RPN head, 4conv+1fc box
             head and mask head with LayerNorm; RetinaNet's head with GroupNorm).
         memory_light: run the pyramid and the R-CNN heads under activation checkpointing
-            (:func:`~pareprop.detection.light.set_memory_light`; detectron2's backbones).
+            (:func:`~pareprop.detection.light.set_memory_light`).
         **kwargs: torchvision's constructor's keywords (``min_size``, ``max_size``,
             ``rpn_post_nms_top_n_train``, ``box_detections_per_img``...).
 

@@ -6,8 +6,9 @@ of a detector's activations is in the pyramid (the maps at stride 4 and their in
 and the heads (the RPN's convolutions over every level, the RoI heads' conv towers): at
 1024x1024 these cap the batch (BENCHMARKS.md, "Detection memory"). :func:`set_memory_light`
 runs each of them under ``torch.utils.checkpoint`` (non-reentrant): the pyramid level by
-level (:class:`~pareprop.detection.detectron2.pyramid.SimpleFeaturePyramid`) or its top-down
-pass whole (:class:`~pareprop.detection.detectron2.pyramid.FPN`, whose levels share the sums),
+level (ViTDet's simple feature pyramid: ``pareprop.detection.pyramid.SimpleFeaturePyramid``
+and detectron2's) or its top-down pass whole (the FPNs, torchvision's and detectron2's, whose
+levels share the sums),
 the RPN head, the box head, the mask head and the mask predictor (whose deconvolution makes
 the largest map of the RoI heads, 28x28 per positive RoI) whole. Their inputs are kept anyway (the
 backbone's maps, the RoI-pooled features), their outputs are what the step needs next, and
@@ -52,7 +53,8 @@ def set_memory_light(detector: nn.Module, enable: bool = True) -> nn.Module:
 
     Args:
         detector: torchvision's ``MaskRCNN`` / ``FasterRCNN`` from ``create_detector``; its
-            backbone needs a ``memory_light`` attribute (detectron2's pyramids have one).
+            backbone needs a ``memory_light`` attribute (pareprop's and detectron2's
+            backbones have one; a backbone registered with ``register_backbone`` may).
         enable: on or off.
 
     Returns:
@@ -60,8 +62,8 @@ def set_memory_light(detector: nn.Module, enable: bool = True) -> nn.Module:
     """
     backbone = getattr(detector, "backbone", None)
     if backbone is None or not hasattr(backbone, "memory_light"):
-        raise ValueError(f"expected a detector whose backbone has memory_light (detectron2's "
-                         f"pyramids), got backbone {type(backbone).__name__}")
+        raise ValueError(f"expected a detector whose backbone has memory_light (pareprop's "
+                         f"and detectron2's backbones), got backbone {type(backbone).__name__}")
     backbone.memory_light = bool(enable)
     for path in _HEADS:
         head = _get(detector, path)

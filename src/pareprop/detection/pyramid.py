@@ -7,6 +7,10 @@
   "Exploring Plain Vision Transformer Backbones for Object Detection", ECCV 2022):
   deconvolutions up, identity, max-pooling down, each level then a 1x1 and a 3x3 convolution
   with LayerNorm over channels.
+
+Both take ``memory_light`` (NOTE [ A memory-light detector ] in ``pareprop/detection/light.py``):
+while gradients are on, the pyramid runs under activation checkpointing and keeps only its
+outputs for backward.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d
+from torch.utils.checkpoint import checkpoint
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
@@ -28,7 +33,14 @@ LEVELS = ("p2", "p3", "p4", "p5", "p6")
 LEVEL_STRIDES = {"p2": 4, "p3": 8, "p4": 16, "p5": 32, "p6": 64}
 
 
-class FPN(nn.Module):
+class _Checkpointable:
+    memory_light = False  # set by pareprop.detection.set_memory_light
+
+    def _light(self) -> bool:
+        return bool(self.memory_light) and torch.is_grad_enabled()
+
+
+class FPN(_Checkpointable, nn.Module):
     """torchvision's FPN (top-down, lateral 1x1 and output 3x3 convolutions) plus p6 by
     max-pooling p5, on four maps of strides 4..32 to ``p2``..``p6``.
 
@@ -48,7 +60,9 @@ class FPN(nn.Module):
 
     def forward(self, features: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
         named = OrderedDict(zip(LEVELS[:4], features))
-        out = self.fpn(named)  # p2..p5, then LastLevelMaxPool's "pool"
+        # The levels share the top-down sums: under memory_light the pass runs whole.
+        out = checkpoint(self.fpn, named, use_reentrant=False) if self._light() else self.fpn(named)
+        # p2..p5, then LastLevelMaxPool's "pool"
         out["p6"] = out.pop("pool")
         return out
 
@@ -64,7 +78,7 @@ def _up(dim: int, steps: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class SimpleFeaturePyramid(nn.Module):
+class SimpleFeaturePyramid(_Checkpointable, nn.Module):
     """ViTDet's simple feature pyramid: from one map of stride ``in_stride`` to ``p2``..``p6``.
 
     Each of p2..p5 is the map rescaled to its stride (stride-2 deconvolutions up, max-pooling
@@ -111,6 +125,10 @@ class SimpleFeaturePyramid(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``(B, C, H, W)`` at ``in_stride`` to the ordered maps ``p2``..``p6``."""
-        out = OrderedDict((name, stage(x)) for name, stage in self.stages.items())
+        # Under memory_light level by level: backward recomputes one level's maps at a time.
+        out = OrderedDict(
+            (name, checkpoint(stage, x, use_reentrant=False) if self._light() else stage(x))
+            for name, stage in self.stages.items()
+        )
         out["p6"] = F.max_pool2d(out["p5"], kernel_size=1, stride=2)
         return out
