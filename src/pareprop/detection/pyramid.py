@@ -23,9 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d
-from torch.utils.checkpoint import checkpoint
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+from pareprop.detection.light import checkpoint_per_image
 
 __all__ = ["LEVELS", "LEVEL_STRIDES", "FPN", "SimpleFeaturePyramid"]
 
@@ -59,12 +60,15 @@ class FPN(_Checkpointable, nn.Module):
         self.out_channels = out_channels
 
     def forward(self, features: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        named = OrderedDict(zip(LEVELS[:4], features))
-        # The levels share the top-down sums: under memory_light the pass runs whole.
-        out = checkpoint(self.fpn, named, use_reentrant=False) if self._light() else self.fpn(named)
-        # p2..p5, then LastLevelMaxPool's "pool"
-        out["p6"] = out.pop("pool")
-        return out
+        # The levels share the top-down sums: under memory_light the pass runs whole, image
+        # by image.
+        maps = (checkpoint_per_image(self._maps, *features) if self._light()
+                else self._maps(*features))
+        return OrderedDict(zip(LEVELS, maps))
+
+    def _maps(self, *features: torch.Tensor) -> List[torch.Tensor]:
+        """p2..p5, then LastLevelMaxPool's "pool" (p6)."""
+        return list(self.fpn(OrderedDict(zip(LEVELS[:4], features))).values())
 
 
 def _up(dim: int, steps: int) -> nn.Sequential:
@@ -125,9 +129,10 @@ class SimpleFeaturePyramid(_Checkpointable, nn.Module):
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``(B, C, H, W)`` at ``in_stride`` to the ordered maps ``p2``..``p6``."""
-        # Under memory_light level by level: backward recomputes one level's maps at a time.
+        # Under memory_light level by level, image by image: backward recomputes one image's
+        # maps of one level at a time.
         out = OrderedDict(
-            (name, checkpoint(stage, x, use_reentrant=False) if self._light() else stage(x))
+            (name, checkpoint_per_image(stage, x) if self._light() else stage(x))
             for name, stage in self.stages.items()
         )
         out["p6"] = F.max_pool2d(out["p5"], kernel_size=1, stride=2)

@@ -24,9 +24,9 @@ from typing import Dict, List, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
+from pareprop.detection.light import checkpoint_per_image
 from pareprop.engine import ReversibleStack, set_stack_engine
 
 __all__ = ["FPN", "LastLevelMaxPool", "SimpleFeaturePyramid"]
@@ -137,8 +137,9 @@ class SimpleFeaturePyramid(_BackboneMixin, nn.Module):
         out: Dict[str, Tensor] = OrderedDict()
         for name in self._levels:
             level = getattr(self, f"simfp_{name[1:]}")
-            # Level by level: the recomputation in backward holds one level's intermediates.
-            out[name] = checkpoint(level, x, use_reentrant=False) if self._light() else level(x)
+            # Level by level, image by image: the recomputation in backward holds one image's
+            # intermediates of one level.
+            out[name] = checkpoint_per_image(level, x) if self._light() else level(x)
         out[f"p{int(self._levels[-1][1:]) + 1}"] = self.top_block(out[self._levels[-1]])
         return out
 
@@ -187,8 +188,8 @@ class FPN(_BackboneMixin, nn.Module):
         features = self.bottom_up(images)
         maps = [features[name] for name in self.in_features]
         if self._light():
-            # The levels share the top-down sums: the pass runs whole under checkpointing.
-            results = checkpoint(self._top_down, *maps, use_reentrant=False)
+            # The levels share the top-down sums: the pass runs whole, image by image.
+            results = checkpoint_per_image(self._top_down, *maps)
         else:
             results = self._top_down(*maps)
         out: Dict[str, Tensor] = OrderedDict(zip(self._levels, results))
