@@ -18,6 +18,7 @@ from pareprop.detection import (
     is_memory_light,
     set_memory_light,
 )
+from pareprop.detection import light as light_module
 from pareprop.engine.chunk_cost import Chunking
 from pareprop.memory.detection import synthetic_targets
 
@@ -102,6 +103,22 @@ def test_memory_light_step_has_the_same_losses_and_gradients(backbone):
         dict(light.named_parameters())[name].view(-1)[0] += 1e-6
     _, moved = _step(light, size)
     assert any(not torch.allclose(moved[n], want[n], rtol=1e-12, atol=1e-14) for n in want)
+
+
+def test_the_roi_heads_run_in_pieces_of_rois_with_the_same_gradients(monkeypatch):
+    # Pieces of 5 RoIs (a training image samples 8 here): the box head runs in pieces, the
+    # gradients stay those of the detector without the option.
+    monkeypatch.setattr(light_module, "ROI_ROWS", 5)
+    det, size = _detector("rev_mvitv2_tiny")
+    light = set_memory_light(copy.deepcopy(det))
+    rows = []
+    conv = next(m for m in light.roi_heads.box_head.modules() if isinstance(m, torch.nn.Conv2d))
+    conv.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+    _, want = _step(det, size)
+    _, got = _step(light, size)
+    assert max(rows) == 5 and sum(rows) == 2 * IMAGES * HEADS["box_batch_size_per_image"]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
 def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():

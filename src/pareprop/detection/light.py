@@ -12,7 +12,7 @@ runs each of them under ``torch.utils.checkpoint`` (non-reentrant):
   top-down pass whole (torchvision's and detectron2's: the levels share the sums);
 * the RPN head image by image;
 * the box head, the mask head and the mask predictor (whose deconvolution makes the largest
-  map of the RoI heads, 28x28 per positive RoI) whole.
+  map of the RoI heads, 28x28 per positive RoI) in pieces of :data:`ROI_ROWS` RoIs.
 
 Their inputs are kept anyway (the backbone's maps, the RoI-pooled features), their outputs are
 what the step needs next, and backward recomputes the rest with the same autocast state, so
@@ -21,13 +21,14 @@ float64: the same losses, gradients within 1e-12; a convolution run image by ima
 differently from the whole batch's in lower precision). The cost is one more forward of these
 parts.
 
-Image by image (:func:`checkpoint_per_image`), because backward recomputes a checkpointed
-part for everything it was given at once: at 1024x1024 ViTDet-B's stride-4 level recomputed for
-the whole batch held 0.46 GiB an image and capped the batch (BENCHMARKS.md, "Detection memory").
+In pieces (:func:`checkpoint_in_pieces`), because backward recomputes a checkpointed part for
+everything it was given at once: at 1024x1024 ViTDet-B's stride-4 level recomputed for the
+whole batch held 0.46 GiB an image and capped the batch (BENCHMARKS.md, "Detection memory").
 Every layer of the pyramids acts on each image alone (convolutions, channel LayerNorms, max
-pooling, nearest upsampling), as does the RPN head's (convolutions over each level), so the
-pieces give the whole batch's result exactly. The RoI heads take the RoIs of every image
-together and run whole.
+pooling, nearest upsampling), as does the RPN head's (convolutions over each level) and the
+RoI heads' on each RoI (convolutions and LayerNorms over a RoI's map, linear layers on its
+row), so the pieces give the whole batch's result. A head with batch norm mixes the rows in
+training and runs whole.
 """
 
 from __future__ import annotations
@@ -38,52 +39,65 @@ from typing import Any, Callable, List
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-from torchvision.models.detection.rpn import RPNHead
 
-__all__ = ["checkpoint_per_image", "is_memory_light", "set_memory_light"]
+__all__ = ["ROI_ROWS", "checkpoint_in_pieces", "is_memory_light", "set_memory_light"]
 
-# The torchvision heads under checkpointing (attribute paths from the detector): the RPN head
-# image by image, the RoI heads whole.
-_HEADS = ("rpn.head", "roi_heads.box_head", "roi_heads.mask_head",
-          "roi_heads.mask_predictor")
-
-
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``type(self).forward`` under non-reentrant checkpointing while gradients are on."""
-    forward = type(self).forward
-    if not torch.is_grad_enabled():
-        return forward(self, *args, **kwargs)
-    return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+# The torchvision heads under checkpointing (attribute paths from the detector).
+_RPN_HEAD = "rpn.head"
+_ROI_HEADS = ("roi_heads.box_head", "roi_heads.mask_head", "roi_heads.mask_predictor")
+# RoIs in a piece of the RoI heads: a training image's sampled RoIs (torchvision's
+# box_batch_size_per_image), a few images' positives in the mask head.
+ROI_ROWS = 512
 
 
-def checkpoint_per_image(fn: Callable[..., Any], *maps: torch.Tensor) -> Any:
-    """``fn(*maps)`` one image at a time under non-reentrant checkpointing, the outputs joined
-    along the batch, so that backward recomputes one image's intermediates at a time.
+def checkpoint_in_pieces(fn: Callable[..., Any], *maps: torch.Tensor, rows: int = 1) -> Any:
+    """``fn(*maps)`` on ``rows`` rows (images, RoIs) at a time under non-reentrant
+    checkpointing, the outputs joined along the first dimension, so that backward recomputes
+    one piece's intermediates at a time.
 
-    ``fn`` must act on each image alone; it returns a tensor or a sequence of tensors, and the
-    result has the same form for the whole batch.
+    ``fn`` must act on each row alone; it returns a tensor or a sequence of tensors, and the
+    result has the same form for all the rows.
     """
-    # split, not slices: one backward node joins the images' gradients once, where a slice's
-    # backward would write each image's gradient into a zero map of the whole batch.
-    images = zip(*(m.split(1) for m in maps))
-    pieces = [checkpoint(fn, *image, use_reentrant=False) for image in images]
+    # split, not slices: one backward node joins the pieces' gradients once, where a slice's
+    # backward would write each piece's gradient into a zero map of the whole batch.
+    pieces = [checkpoint(fn, *piece, use_reentrant=False)
+              for piece in zip(*(m.split(rows) for m in maps))]
     if isinstance(pieces[0], torch.Tensor):
         return torch.cat(pieces)
     return [torch.cat(parts) for parts in zip(*pieces)]
 
 
+def _mixes_rows(module: nn.Module) -> bool:
+    """Whether ``module`` in training computes a row from the others' (batch norm)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def _roi_head_in_pieces(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A RoI head's ``forward`` on :data:`ROI_ROWS` RoIs at a time under checkpointing while
+    gradients are on (whole where it mixes rows, or has no RoI)."""
+    forward = type(self).forward
+    if not torch.is_grad_enabled():
+        return forward(self, x)
+    if x.shape[0] == 0 or _mixes_rows(self):
+        return checkpoint(forward, self, x, use_reentrant=False)
+    return checkpoint_in_pieces(lambda rois: forward(self, rois), x, rows=ROI_ROWS)
+
+
 def _rpn_head_per_image(self: nn.Module, levels: List[torch.Tensor]) -> Any:
     """torchvision's ``RPNHead.forward`` (a list of levels to the lists of objectness logits
-    and box deltas) image by image under checkpointing while gradients are on."""
+    and box deltas) image by image under checkpointing while gradients are on (whole where it
+    mixes images)."""
     forward = type(self).forward
     if not torch.is_grad_enabled():
         return forward(self, levels)
+    if _mixes_rows(self):
+        return checkpoint(forward, self, levels, use_reentrant=False)
 
     def flat(*maps: torch.Tensor) -> List[torch.Tensor]:
         logits, deltas = forward(self, list(maps))
         return [*logits, *deltas]
 
-    out = checkpoint_per_image(flat, *levels)
+    out = checkpoint_in_pieces(flat, *levels)
     return out[:len(levels)], out[len(levels):]
 
 
@@ -112,15 +126,14 @@ def set_memory_light(detector: nn.Module, enable: bool = True) -> nn.Module:
         raise ValueError(f"expected a detector whose backbone has memory_light (pareprop's "
                          f"and detectron2's backbones), got backbone {type(backbone).__name__}")
     backbone.memory_light = bool(enable)
-    for path in _HEADS:
+    for path in (_RPN_HEAD, *_ROI_HEADS):
         head = _get(detector, path)
         if not isinstance(head, nn.Module):
             continue
         # An instance attribute shadows the class's forward; deleting it restores that.
         if enable:
-            per_image = path == "rpn.head" and isinstance(head, RPNHead)
             head.forward = types.MethodType(
-                _rpn_head_per_image if per_image else _checkpointed_forward, head)
+                _rpn_head_per_image if path == _RPN_HEAD else _roi_head_in_pieces, head)
         elif "forward" in head.__dict__:
             del head.forward
     detector.memory_light = bool(enable)

@@ -26,7 +26,7 @@ from timm.layers import LayerNorm2d
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-from pareprop.detection.light import checkpoint_per_image
+from pareprop.detection.light import checkpoint_in_pieces
 
 __all__ = ["LEVELS", "LEVEL_STRIDES", "FPN", "SimpleFeaturePyramid"]
 
@@ -62,7 +62,7 @@ class FPN(_Checkpointable, nn.Module):
     def forward(self, features: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
         # The levels share the top-down sums: under memory_light the pass runs whole, image
         # by image.
-        maps = (checkpoint_per_image(self._maps, *features) if self._light()
+        maps = (checkpoint_in_pieces(self._maps, *features) if self._light()
                 else self._maps(*features))
         return OrderedDict(zip(LEVELS, maps))
 
@@ -132,7 +132,7 @@ class SimpleFeaturePyramid(_Checkpointable, nn.Module):
         # Under memory_light level by level, image by image: backward recomputes one image's
         # maps of one level at a time.
         out = OrderedDict(
-            (name, checkpoint_per_image(stage, x) if self._light() else stage(x))
+            (name, checkpoint_in_pieces(stage, x) if self._light() else stage(x))
             for name, stage in self.stages.items()
         )
         out["p6"] = F.max_pool2d(out["p5"], kernel_size=1, stride=2)

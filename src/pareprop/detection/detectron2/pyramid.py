@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
-from pareprop.detection.light import checkpoint_per_image
+from pareprop.detection.light import checkpoint_in_pieces
 from pareprop.engine import ReversibleStack, set_stack_engine
 
 __all__ = ["FPN", "LastLevelMaxPool", "SimpleFeaturePyramid"]
@@ -139,7 +139,7 @@ class SimpleFeaturePyramid(_BackboneMixin, nn.Module):
             level = getattr(self, f"simfp_{name[1:]}")
             # Level by level, image by image: the recomputation in backward holds one image's
             # intermediates of one level.
-            out[name] = checkpoint_per_image(level, x) if self._light() else level(x)
+            out[name] = checkpoint_in_pieces(level, x) if self._light() else level(x)
         out[f"p{int(self._levels[-1][1:]) + 1}"] = self.top_block(out[self._levels[-1]])
         return out
 
@@ -189,7 +189,7 @@ class FPN(_BackboneMixin, nn.Module):
         maps = [features[name] for name in self.in_features]
         if self._light():
             # The levels share the top-down sums: the pass runs whole, image by image.
-            results = checkpoint_per_image(self._top_down, *maps)
+            results = checkpoint_in_pieces(self._top_down, *maps)
         else:
             results = self._top_down(*maps)
         out: Dict[str, Tensor] = OrderedDict(zip(self._levels, results))
