@@ -121,6 +121,44 @@ def test_the_roi_heads_run_in_pieces_of_rois_with_the_same_gradients(monkeypatch
         torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_heads_with_batch_norm_run_whole_with_the_same_gradients(monkeypatch):
+    # Batch norm in training computes each row from all of them: pieces would change the
+    # result, so such an RPN head and RoI head run whole (and the gradients stay the same).
+    monkeypatch.setattr(light_module, "ROI_ROWS", 5)
+    det, size = _detector("rev_mvitv2_tiny")
+    torch.manual_seed(3)
+    det.rpn.head.conv.append(torch.nn.BatchNorm2d(det.backbone.out_channels).double())
+    box = det.roi_heads.box_head
+    det.roi_heads.box_head = torch.nn.Sequential(
+        torch.nn.BatchNorm2d(box[0][0].in_channels).double(), box)
+    light = set_memory_light(copy.deepcopy(det))
+    seen = {"rpn": [], "box": []}
+    light.rpn.head.conv.register_forward_pre_hook(lambda _, a: seen["rpn"].append(a[0].shape[0]))
+    light.roi_heads.box_head.register_forward_pre_hook(
+        lambda _, a: seen["box"].append(a[0].shape[0]))
+    want_losses, want = _step(det, size)
+    got_losses, got = _step(light, size)
+    assert min(seen["rpn"]) == IMAGES  # every level of the whole batch at once
+    assert min(seen["box"]) == IMAGES * HEADS["box_batch_size_per_image"]
+    for k in want_losses:
+        torch.testing.assert_close(got_losses[k], want_losses[k], rtol=1e-12, atol=1e-14)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_checkpoint_in_pieces_joins_the_pieces_and_refuses_bad_input():
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    out = light_module.checkpoint_in_pieces(lambda t: [2 * t, t.sum(1)], x, rows=3)
+    torch.testing.assert_close(out[0], 2 * x, rtol=0, atol=0)
+    torch.testing.assert_close(out[1], x.sum(1), rtol=0, atol=0)
+    empty = light_module.checkpoint_in_pieces(lambda t: t + 1, x[:0], rows=3)
+    assert empty.shape == (0, 3)
+    with pytest.raises(ValueError, match="expected rows a positive integer"):
+        light_module.checkpoint_in_pieces(lambda t: t, x, rows=0)
+    with pytest.raises(ValueError, match="the same first dimension"):
+        light_module.checkpoint_in_pieces(lambda a, b: a, x, x[:2])
+
+
 def test_memory_light_off_restores_the_detector_and_bad_backbones_are_refused():
     det, _ = _detector("detectron2:vitdet_b", memory_light=True)
     assert det.pareprop_spec["memory_light"] is True

@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ROI_ROWS", "checkpoint_in_pieces", "is_memory_light", "set_memory_light"]
+__all__ = ["ROI_ROWS", "MemoryLightMixin", "checkpoint_in_pieces", "is_memory_light",
+           "set_memory_light"]
 
 # The torchvision heads under checkpointing (attribute paths from the detector).
 _RPN_HEAD = "rpn.head"
@@ -48,6 +49,16 @@ _ROI_HEADS = ("roi_heads.box_head", "roi_heads.mask_head", "roi_heads.mask_predi
 # RoIs in a piece of the RoI heads: a training image's sampled RoIs (torchvision's
 # box_batch_size_per_image), a few images' positives in the mask head.
 ROI_ROWS = 512
+
+
+class MemoryLightMixin:
+    """A pyramid's ``memory_light`` switch (set by :func:`set_memory_light`): ``_light()`` says
+    whether to run under checkpointing now (on, and gradients on)."""
+
+    memory_light = False
+
+    def _light(self) -> bool:
+        return bool(self.memory_light) and torch.is_grad_enabled()
 
 
 def checkpoint_in_pieces(fn: Callable[..., Any], *maps: torch.Tensor, rows: int = 1) -> Any:
@@ -58,6 +69,13 @@ def checkpoint_in_pieces(fn: Callable[..., Any], *maps: torch.Tensor, rows: int 
     ``fn`` must act on each row alone; it returns a tensor or a sequence of tensors, and the
     result has the same form for all the rows.
     """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"expected rows a positive integer, got {rows!r}")
+    if not maps or any(m.shape[:1] != maps[0].shape[:1] for m in maps):
+        raise ValueError(f"expected one or more tensors with the same first dimension, got "
+                         f"shapes {[tuple(m.shape) for m in maps]}")
+    if maps[0].shape[0] == 0:
+        return fn(*maps)  # nothing to recompute
     # split, not slices: one backward node joins the pieces' gradients once, where a slice's
     # backward would write each piece's gradient into a zero map of the whole batch.
     pieces = [checkpoint(fn, *piece, use_reentrant=False)
@@ -78,7 +96,7 @@ def _roi_head_in_pieces(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     forward = type(self).forward
     if not torch.is_grad_enabled():
         return forward(self, x)
-    if x.shape[0] == 0 or _mixes_rows(self):
+    if _mixes_rows(self):
         return checkpoint(forward, self, x, use_reentrant=False)
     return checkpoint_in_pieces(lambda rois: forward(self, rois), x, rows=ROI_ROWS)
 

@@ -26,7 +26,7 @@ from timm.layers import LayerNorm2d
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-from pareprop.detection.light import checkpoint_in_pieces
+from pareprop.detection.light import MemoryLightMixin, checkpoint_in_pieces
 
 __all__ = ["LEVELS", "LEVEL_STRIDES", "FPN", "SimpleFeaturePyramid"]
 
@@ -34,14 +34,7 @@ LEVELS = ("p2", "p3", "p4", "p5", "p6")
 LEVEL_STRIDES = {"p2": 4, "p3": 8, "p4": 16, "p5": 32, "p6": 64}
 
 
-class _Checkpointable:
-    memory_light = False  # set by pareprop.detection.set_memory_light
-
-    def _light(self) -> bool:
-        return bool(self.memory_light) and torch.is_grad_enabled()
-
-
-class FPN(_Checkpointable, nn.Module):
+class FPN(MemoryLightMixin, nn.Module):
     """torchvision's FPN (top-down, lateral 1x1 and output 3x3 convolutions) plus p6 by
     max-pooling p5, on four maps of strides 4..32 to ``p2``..``p6``.
 
@@ -82,7 +75,7 @@ def _up(dim: int, steps: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class SimpleFeaturePyramid(_Checkpointable, nn.Module):
+class SimpleFeaturePyramid(MemoryLightMixin, nn.Module):
     """ViTDet's simple feature pyramid: from one map of stride ``in_stride`` to ``p2``..``p6``.
 
     Each of p2..p5 is the map rescaled to its stride (stride-2 deconvolutions up, max-pooling

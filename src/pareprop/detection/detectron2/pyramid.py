@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pareprop.detection.detectron2.layers import ChannelLayerNorm, ConvNorm
-from pareprop.detection.light import checkpoint_in_pieces
+from pareprop.detection.light import MemoryLightMixin, checkpoint_in_pieces
 from pareprop.engine import ReversibleStack, set_stack_engine
 
 __all__ = ["FPN", "LastLevelMaxPool", "SimpleFeaturePyramid"]
@@ -44,15 +44,10 @@ class LastLevelMaxPool(nn.Module):
         return F.max_pool2d(x, kernel_size=1, stride=2, padding=0)
 
 
-class _BackboneMixin:
+class _BackboneMixin(MemoryLightMixin):
     """What the two pyramids share: the engine and coupling of the backbone's stacks, and
     ``memory_light``: the pyramid under activation checkpointing, only its outputs kept for
     backward (NOTE [ A memory-light detector ] in ``pareprop/detection/light.py``)."""
-
-    memory_light = False
-
-    def _light(self) -> bool:
-        return bool(self.memory_light) and torch.is_grad_enabled()
 
     @property
     def body(self):
